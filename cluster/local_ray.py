@@ -1,0 +1,78 @@
+"""Ray clusters that Flotilla starts itself on one machine.
+
+One node: a plain local Ray instance. Several nodes: ``ray.cluster_utils.Cluster``, which
+runs one raylet per simulated node on this machine, so placement across nodes (PP stages on
+different nodes) behaves as on a real multi-node cluster.
+
+On CPU each node declares fake "GPU" slots, one per vLLM worker it should host
+(see ``cluster.vllm_platform``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from cluster.config import LocalClusterConfig
+
+
+@dataclass(frozen=True, slots=True)
+class LocalClusterShape:
+    nodes: int
+    slots_per_node: int
+    cpus_per_node: int
+    object_store_bytes: int
+
+    @classmethod
+    def for_groups(cls, config: LocalClusterConfig, slots_needed: int, leaders: int) -> LocalClusterShape:
+        slots_per_node = config.slots_per_node or -(-slots_needed // config.nodes)
+        # Ray CPUs are logical: leave room for every leader bundle plus the ingress and spare.
+        cpus = config.num_cpus_per_node or max(os.cpu_count() or 1, leaders + 2)
+        return cls(config.nodes, slots_per_node, cpus, config.object_store_memory_mib << 20)
+
+    @property
+    def total_slots(self) -> int:
+        return self.nodes * self.slots_per_node
+
+
+class LocalCluster:
+    """A running local cluster; ``shutdown`` stops every process it started."""
+
+    def __init__(self, shape: LocalClusterShape, namespace: str, log_to_driver: bool) -> None:
+        self.shape = shape
+        self._multi_node: Any = None
+        node_args = {
+            "num_cpus": shape.cpus_per_node,
+            "num_gpus": shape.slots_per_node,
+            "object_store_memory": shape.object_store_bytes,
+        }
+        if shape.nodes == 1:
+            ray.init(
+                address="local",  # always a new cluster, never one found in /tmp/ray
+                **node_args,
+                namespace=namespace,
+                include_dashboard=True,
+                dashboard_host="127.0.0.1",
+                log_to_driver=log_to_driver,
+            )
+        else:
+            from ray.cluster_utils import Cluster
+
+            self._multi_node = Cluster(
+                initialize_head=True,
+                head_node_args=node_args | {"include_dashboard": True, "dashboard_host": "127.0.0.1"},
+            )
+            for _ in range(shape.nodes - 1):
+                self._multi_node.add_node(**node_args)
+            self._multi_node.wait_for_nodes()
+            ray.init(address=self._multi_node.address, namespace=namespace, log_to_driver=log_to_driver)
+        self.address: str = ray.get_runtime_context().gcs_address
+
+    def shutdown(self) -> None:
+        ray.shutdown()
+        if self._multi_node is not None:
+            self._multi_node.shutdown()
+            self._multi_node = None

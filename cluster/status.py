@@ -1,0 +1,149 @@
+"""``flotilla status``: every group, rank, bundle, node and state, read from a live cluster.
+
+Sources: each leader's own description (phase, rank→bundle map, engine info), Ray's
+placement-group table (bundle→node) and Ray's state API (actor state, pid, node).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import ray
+
+from cluster.group_api import leader_actor_name
+from cluster.leader import LeaderDescription
+
+LEADER_PREFIX = leader_actor_name("")
+DESCRIBE_TIMEOUT_S = 5.0
+
+
+@dataclass(slots=True)
+class ActorStatus:
+    name: str
+    state: str
+    node_id: str | None
+    pid: int | None
+
+
+@dataclass(slots=True)
+class RankStatus:
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    bundle: int
+    node_id: str | None
+    actor: ActorStatus | None
+
+
+@dataclass(slots=True)
+class GroupStatus:
+    name: str
+    state: str
+    error: str | None
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    leader: ActorStatus | None
+    ranks: list[RankStatus] = field(default_factory=list)
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+
+
+def vllm_worker_actor_name(instance_id: str, rank: int, tp: int, pp: int) -> str:
+    """The name vLLM's Ray executor gives a worker (vllm.v1.executor.ray_utils.build_actor_name)."""
+    name = f"vllm_Worker_{instance_id}"
+    if tp > 1:
+        name += f"_TP{rank % tp}"
+    if pp > 1:
+        name += f"_PP{(rank // tp) % pp}"
+    return name
+
+
+def collect(namespace: str) -> list[GroupStatus]:
+    from ray.util.state import list_actors
+
+    actors: dict[str, Any] = {}
+    for actor in list_actors(detail=True, limit=10_000, raise_on_missing_output=False):
+        if actor.name and (actor.name not in actors or actor.state == "ALIVE"):
+            actors[actor.name] = actor
+    bundle_nodes = {pg_id: pg["bundles_to_node_id"] for pg_id, pg in ray.util.placement_group_table().items()}
+    leader_names = sorted(
+        entry["name"]
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["namespace"] == namespace and entry["name"].startswith(LEADER_PREFIX)
+    )
+    return [_group_status(name, namespace, actors, bundle_nodes) for name in leader_names]
+
+
+def _group_status(
+    leader_name: str, namespace: str, actors: dict[str, Any], bundle_nodes: dict[str, dict[int, str]]
+) -> GroupStatus:
+    group = leader_name.removeprefix(LEADER_PREFIX)
+    leader_actor = actors.get(leader_name)
+    try:
+        handle = ray.get_actor(leader_name, namespace=namespace)
+        description: LeaderDescription = ray.get(handle.describe.remote(), timeout=DESCRIBE_TIMEOUT_S)
+    except Exception as err:
+        return GroupStatus(group, "unreachable", f"{type(err).__name__}: {err}", 0, 0, _actor(leader_actor))
+    tp, pp = description.tensor_parallel_size, description.pipeline_parallel_size
+    nodes = bundle_nodes.get(leader_actor.placement_group_id, {}) if leader_actor else {}
+    ranks = []
+    for rank, bundle in enumerate(description.rank_bundles):
+        worker = None
+        if description.vllm_instance_id:
+            worker = actors.get(vllm_worker_actor_name(description.vllm_instance_id, rank, tp, pp))
+        ranks.append(RankStatus(rank, rank // tp, rank % tp, bundle, nodes.get(bundle), _actor(worker)))
+    info = description.info
+    return GroupStatus(
+        name=group,
+        state=description.phase.value,
+        error=description.error,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        leader=_actor(leader_actor),
+        ranks=ranks,
+        max_model_len=info.max_model_len if info else None,
+        num_kv_blocks=info.num_kv_blocks if info else None,
+    )
+
+
+def _actor(actor: Any) -> ActorStatus | None:
+    if actor is None:
+        return None
+    return ActorStatus(actor.name, actor.state, actor.node_id, actor.pid)
+
+
+def render_json(groups: list[GroupStatus]) -> str:
+    return json.dumps([asdict(g) for g in groups], indent=2)
+
+
+def render_table(groups: list[GroupStatus]) -> str:
+    if not groups:
+        return "no replica groups found"
+    header = ("GROUP", "STATE", "TP×PP", "ROLE", "BUNDLE", "NODE", "ACTOR", "PID", "ACTOR STATE")
+    rows: list[tuple[str, ...]] = []
+    for g in groups:
+        layout = f"{g.tensor_parallel_size}×{g.pipeline_parallel_size}"
+        leader = g.leader
+        rows.append(
+            (g.name, g.state, layout, "leader", "0", _short(leader.node_id if leader else None))
+            + _actor_cells(leader)
+        )
+        for r in g.ranks:
+            role = f"rank {r.rank} (PP{r.pp_rank} TP{r.tp_rank})"
+            rows.append(("", "", "", role, str(r.bundle), _short(r.node_id)) + _actor_cells(r.actor))
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]]
+    lines += [f"{g.name}: {g.error}" for g in groups if g.error]
+    return "\n".join(lines)
+
+
+def _actor_cells(actor: ActorStatus | None) -> tuple[str, str, str]:
+    if actor is None:
+        return ("-", "-", "MISSING")
+    return (actor.name, str(actor.pid or "-"), actor.state)
+
+
+def _short(node_id: str | None) -> str:
+    return node_id[:12] if node_id else "-"

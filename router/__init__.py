@@ -1,0 +1,1 @@
+"""Request path: OpenAI protocol, tokenization, routing policies and the Ray Serve ingress."""

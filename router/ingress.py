@@ -1,0 +1,285 @@
+"""The OpenAI-compatible HTTP ingress: a Ray Serve deployment wrapping a FastAPI app.
+
+Request path: parse and validate → tokenize (chat template) → check the context window →
+routing policy picks a group → stream from that group's leader actor → OpenAI JSON or SSE.
+A client that disconnects has its engine request aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, ValidationError
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.group_api import (
+    LEADER_NAMESPACE,
+    EngineErrorKind,
+    GenerateChunk,
+    GroupEngineError,
+    leader_actor_name,
+)
+from router.metrics import IngressMetrics
+from router.openai_adapter import PreparedRequest, StreamTotals, prepare_chat, prepare_completion
+from router.policies import GroupView, RoutingRequest, make_policy
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    bad_request,
+)
+from router.tokenization import PromptTokenizer
+
+logger = logging.getLogger(__name__)
+RequestT = TypeVar("RequestT", bound=BaseModel)
+SSE_DONE = b"data: [DONE]\n\n"
+NO_GROUP_RETRY_AFTER_S = 5
+
+
+class IngressSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_name: str
+    model_path: str
+    max_model_len: int
+    group_names: list[str]
+    routing_policy: str = "round_robin"
+    leader_namespace: str = LEADER_NAMESPACE
+
+
+@dataclass(slots=True)
+class GroupEndpoint:
+    view: GroupView
+    leader: Any  # ActorHandle of cluster.leader.GroupLeader
+
+
+app = FastAPI(title="Flotilla", docs_url=None, redoc_url=None)
+
+
+def error_response(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers)
+
+
+@app.exception_handler(OpenAIError)
+async def _openai_error(_: Request, err: OpenAIError) -> JSONResponse:
+    return error_response(err)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    return error_response(OpenAIError(err.status_code, str(err.detail), code=str(err.status_code)))
+
+
+async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw or b"null")
+    except ValidationError as err:
+        first = err.errors()[0]
+        if first["type"] == "json_invalid":
+            raise bad_request(f"the request body is not valid JSON: {first['ctx'].get('error', '')}") from None
+        if first["type"] == "model_type":
+            raise bad_request("the request body must be a JSON object") from None
+        param = ".".join(str(part) for part in first["loc"])
+        raise bad_request(f"{param}: {first['msg']}", param) from None
+
+
+def _engine_error(err: BaseException, group: str) -> OpenAIError:
+    cause = err.cause if isinstance(err, RayTaskError) else err
+    if isinstance(cause, GroupEngineError) and cause.kind is EngineErrorKind.BAD_REQUEST:
+        return bad_request(cause.message)
+    message = cause.message if isinstance(cause, GroupEngineError) else f"{type(cause).__name__}: {cause}"
+    return OpenAIError(
+        503,
+        f"group {group} could not serve the request: {message}",
+        type="service_unavailable",
+        code="group_unavailable",
+        headers={"Retry-After": str(NO_GROUP_RETRY_AFTER_S)},
+    )
+
+
+async def _prepend(first: GenerateChunk, rest: AsyncIterator[GenerateChunk]) -> AsyncIterator[GenerateChunk]:
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+def _sse_event(payload: BaseModel) -> bytes:
+    return b"data: " + payload.model_dump_json().encode() + b"\n\n"
+
+
+# Module-level helpers must be defined above this class: serve.ingress copies the class (and
+# the globals its methods use) when the decorator runs.
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, settings: IngressSettings) -> None:
+        self.settings = settings
+        self.tokenizer = PromptTokenizer(settings.model_path)
+        self.policy = make_policy(settings.routing_policy)
+        self.metrics = IngressMetrics()
+        self.groups = {
+            name: GroupEndpoint(
+                GroupView(name), ray.get_actor(leader_actor_name(name), namespace=settings.leader_namespace)
+            )
+            for name in settings.group_names
+        }
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        if not self.groups:
+            raise OpenAIError(503, "no replica group is ready", type="service_unavailable")
+        return JSONResponse({"status": "ok", "groups": sorted(self.groups)})
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.settings.model_name, max_model_len=self.settings.max_model_len)])
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "completions", CompletionRequest, prepare_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, "chat_completions", ChatCompletionRequest, prepare_chat)
+
+    async def _serve(
+        self,
+        http_request: Request,
+        endpoint: str,
+        request_model: type[CompletionRequest] | type[ChatCompletionRequest],
+        prepare: Callable[..., PreparedRequest],
+    ) -> Response:
+        arrived = time.perf_counter()
+        chunks: AsyncIterator[GenerateChunk] | None = None
+        try:
+            body = await parse_body(http_request, request_model)
+            if body.model != self.settings.model_name:
+                raise OpenAIError(
+                    404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found"
+                )
+            prepared = prepare(body, self.tokenizer, self.settings.max_model_len, self.settings.model_name)
+            chunks = self._generate(self._route(prepared), prepared)
+            first = await anext(chunks)  # errors before the first token still get a proper status code
+        except OpenAIError as err:
+            self.metrics.requests.labels(endpoint, str(err.status_code)).inc()
+            return error_response(err)
+        except BaseException:
+            if chunks is not None:
+                await chunks.aclose()
+            raise
+        self.metrics.time_to_first_token.labels(endpoint).observe(time.perf_counter() - arrived)
+        if prepared.generate.stream:
+            events = self._sse(prepared, first, chunks, endpoint, arrived)
+            return StreamingResponse(events, media_type="text/event-stream")
+        totals, parts, last = StreamTotals(), [], first
+        try:
+            async for last in _prepend(first, chunks):
+                totals.add(last)
+                parts.append(last.text)
+        except OpenAIError as err:
+            self._count(endpoint, str(err.status_code), arrived)
+            return error_response(err)
+        finally:
+            await chunks.aclose()
+        self._count(endpoint, "200", arrived)
+        body_out = prepared.formatter.full("".join(parts), last.finish_reason, totals)
+        return Response(body_out.model_dump_json(), media_type="application/json")
+
+    def _route(self, prepared: PreparedRequest) -> GroupEndpoint:
+        candidates = [endpoint.view for endpoint in self.groups.values()]
+        if not candidates:
+            raise OpenAIError(
+                503,
+                "no replica group is ready",
+                type="service_unavailable",
+                code="no_ready_group",
+                headers={"Retry-After": str(NO_GROUP_RETRY_AFTER_S)},
+            )
+        routing_request = RoutingRequest(prepared.generate.request_id, prepared.generate.prompt_token_ids)
+        chosen = self.policy.choose(routing_request, candidates)
+        self.metrics.routing_decisions.labels(self.policy.name, chosen.name).inc()
+        return self.groups[chosen.name]
+
+    async def _generate(self, group: GroupEndpoint, prepared: PreparedRequest) -> AsyncIterator[GenerateChunk]:
+        request = prepared.generate
+        routing_request = RoutingRequest(request.request_id, request.prompt_token_ids)
+        name = group.view.name
+        group.view.in_flight += 1
+        self.metrics.group_in_flight.labels(name).set(group.view.in_flight)
+        self.policy.on_routed(routing_request, group.view)
+        finished = False
+        try:
+            stream = group.leader.generate.options(num_returns="streaming").remote(request)
+            produced = False
+            async for ref in stream:
+                chunk: GenerateChunk = await ref
+                self.metrics.generation_tokens.labels(name).inc(len(chunk.token_ids))
+                produced = True
+                yield chunk
+            finished = True
+            if not produced:
+                raise _engine_error(RuntimeError("the engine ended the request without output"), name)
+        except (RayTaskError, RayActorError, GroupEngineError) as err:
+            finished = True
+            raise _engine_error(err, name) from None
+        finally:
+            group.view.in_flight -= 1
+            self.metrics.group_in_flight.labels(name).set(group.view.in_flight)
+            self.metrics.prompt_tokens.labels(name).inc(len(request.prompt_token_ids))
+            self.policy.on_finished(routing_request, group.view)
+            if not finished:  # client went away: free the engine's slot now
+                group.leader.abort.remote(request.request_id)
+
+    async def _sse(
+        self,
+        prepared: PreparedRequest,
+        first: GenerateChunk,
+        chunks: AsyncIterator[GenerateChunk],
+        endpoint: str,
+        arrived: float,
+    ) -> AsyncIterator[bytes]:
+        totals = StreamTotals()
+        formatter = prepared.formatter
+        status = "200"
+        try:
+            is_first = True
+            async for chunk in _prepend(first, chunks):
+                totals.add(chunk)
+                yield _sse_event(formatter.chunk(chunk.text, chunk.finish_reason, is_first))
+                is_first = False
+            if prepared.include_usage:
+                yield _sse_event(formatter.usage_chunk(totals))
+        except OpenAIError as err:
+            status = str(err.status_code)
+            yield b"data: " + JSONResponse(err.body()).body + b"\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            self.metrics.aborted.labels(endpoint).inc()
+            status = "499"
+            raise
+        finally:
+            await chunks.aclose()
+            self._count(endpoint, status, arrived)
+        yield SSE_DONE
+
+    def _count(self, endpoint: str, status: str, arrived: float) -> None:
+        self.metrics.requests.labels(endpoint, status).inc()
+        self.metrics.request_latency.labels(endpoint).observe(time.perf_counter() - arrived)
+

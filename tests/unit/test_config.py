@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ConfigError, ServeConfig
+from cluster.launcher import validate
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_example_config_is_two_groups_of_tp1_on_localhost() -> None:
+    config = ServeConfig.from_yaml(REPO / "examples/local-cpu.yaml")
+    assert (config.groups, config.tensor_parallel_size, config.pipeline_parallel_size) == (2, 1, 1)
+    assert (config.host, config.port) == ("127.0.0.1", 8000)
+
+
+def test_unknown_keys_are_errors(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="tensor_paralel_size"):
+        ServeConfig.from_yaml(write(tmp_path, "model: m\ntensor_paralel_size: 2\n"))
+
+
+def test_reserved_engine_args_are_rejected(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="engine_args may not set"):
+        ServeConfig.from_yaml(write(tmp_path, "model: m\nengine_args: {tensor_parallel_size: 2}\n"))
+
+
+def test_overrides_win(tmp_path) -> None:
+    config = ServeConfig.from_yaml(write(tmp_path, "model: m\nport: 8000\n"), {"port": 9001})
+    assert config.port == 9001
+
+
+@pytest.mark.parametrize(
+    ("fields", "rule"),
+    [
+        ("tensor_parallel_size: 3", "heads-divisible-by-tp"),
+        ("tensor_parallel_size: 8", "heads-divisible-by-tp"),
+        ("pipeline_parallel_size: 5", "layers-vs-pp"),
+        ("groups: 3\ntensor_parallel_size: 2\ncluster: {local: {slots_per_node: 2, nodes: 2}}", "slots-available"),
+    ],
+)
+def test_invalid_layouts_name_their_rule(tmp_path, tiny_llama, fields: str, rule: str) -> None:
+    config = ServeConfig.from_yaml(write(tmp_path, f"model: {tiny_llama}\n{fields}\n"))
+    with pytest.raises(ConfigError, match=rule):
+        validate(config)
+
+
+def test_unknown_engine_args_are_rejected_before_start(tmp_path, tiny_llama) -> None:
+    config = ServeConfig.from_yaml(write(tmp_path, f"model: {tiny_llama}\nengine_args: {{max_modle_len: 9}}\n"))
+    with pytest.raises(ConfigError, match="max_modle_len"):
+        validate(config)
+
+
+def test_missing_model_is_a_config_error(tmp_path) -> None:
+    config = ServeConfig.from_yaml(write(tmp_path, f"model: {tmp_path / 'nope'}\n"))
+    with pytest.raises(ConfigError, match="make-model"):
+        validate(config)
