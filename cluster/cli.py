@@ -30,12 +30,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import ray
-
     from cluster import status
+    from cluster.ray_connect import connect
 
     try:
-        ray.init(address=args.address, namespace=args.namespace, log_to_driver=False, logging_level="ERROR")
+        connect(args.address, args.namespace)
     except ConnectionError as err:
         print(f"flotilla: no Ray cluster at {args.address!r}: {err}", file=sys.stderr)
         return 1

@@ -61,10 +61,16 @@ def vllm_worker_actor_name(instance_id: str, rank: int, tp: int, pp: int) -> str
 
 
 def collect(namespace: str) -> list[GroupStatus]:
+    """Status of every group; actor details need Ray's dashboard (state API) and are "-" without it."""
     from ray.util.state import list_actors
+    from ray.util.state.exception import ServerUnavailable
 
     actors: dict[str, Any] = {}
-    for actor in list_actors(detail=True, limit=10_000, raise_on_missing_output=False):
+    try:
+        listed = list_actors(detail=True, limit=10_000, raise_on_missing_output=False)
+    except ServerUnavailable:
+        listed = []
+    for actor in listed:
         if actor.name and (actor.name not in actors or actor.state == "ALIVE"):
             actors[actor.name] = actor
     bundle_nodes = {pg_id: pg["bundles_to_node_id"] for pg_id, pg in ray.util.placement_group_table().items()}

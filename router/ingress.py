@@ -93,8 +93,21 @@ async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
             raise bad_request(f"the request body is not valid JSON: {first['ctx'].get('error', '')}") from None
         if first["type"] == "model_type":
             raise bad_request("the request body must be a JSON object") from None
-        param = ".".join(str(part) for part in first["loc"])
+        param = _param_path(first["loc"])
         raise bad_request(f"{param}: {first['msg']}", param) from None
+
+
+_UNION_MEMBER_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param_path(loc: tuple[int | str, ...]) -> str:
+    """``messages.0.content`` from pydantic's location, without union-member tags like ``list[int]``."""
+    parts = [
+        str(part)
+        for part in loc
+        if isinstance(part, int) or (part.isidentifier() and part not in _UNION_MEMBER_TAGS)
+    ]
+    return ".".join(parts)
 
 
 def _engine_error(err: BaseException, group: str) -> OpenAIError:

@@ -1,0 +1,84 @@
+"""Run `flotilla serve` as a subprocess, exactly as `make serve` does (only the port differs)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 600
+SHUTDOWN_TIMEOUT_S = 90
+
+
+@dataclass
+class Server:
+    url: str
+    ray_address: str
+    process: subprocess.Popen[str]
+    lines: list[str] = field(default_factory=list)
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def flotilla_serve(config: str = "examples/local-cpu.yaml") -> Iterator[Server]:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "--config", config, "--port", str(port)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line.rstrip("\n"))
+            if "flotilla: serving" in line:
+                ready.set()
+        ready.set()  # process ended
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        if not ready.wait(STARTUP_TIMEOUT_S) or process.poll() is not None:
+            raise RuntimeError("flotilla serve did not become ready:\n" + "\n".join(lines[-60:]))
+        address = next(m.group(1) for line in lines if (m := re.search(r"local Ray cluster: .* at (\S+) in", line)))
+        yield Server(f"http://127.0.0.1:{port}", address, process, lines)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(SHUTDOWN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()

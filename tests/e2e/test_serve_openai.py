@@ -1,0 +1,190 @@
+"""The OpenAI endpoint served the way `make serve` serves it: real vLLM groups on Ray."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+import ray
+
+from cluster.group_api import LEADER_NAMESPACE, leader_actor_name
+from cluster.ray_connect import connect
+from tests.e2e.server import REPO, Server, flotilla_serve, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+MODEL = "tiny-llama"
+GROUPS = ("group-0", "group-1")
+
+
+@pytest.fixture(scope="module")
+def server(models_dir) -> Server:
+    with flotilla_serve() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ray_driver(server: Server):
+    connect(server.ray_address)
+    yield
+    ray.shutdown()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    selector = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    pattern = re.compile(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", re.M)
+    for found_labels, value in pattern.findall(text):
+        if all(part in found_labels.split(",") for part in selector.split(",")):
+            return float(value)
+    return 0.0
+
+
+def test_startup_shows_progress_per_group(server: Server) -> None:
+    out = server.output()
+    for group in GROUPS:
+        assert f"[{group}] placement" in out
+        assert re.search(rf"\[{group}\] placed \(PP0→node \w+\)", out)
+        assert re.search(rf"\[{group}\] ready in [\d.]+ s", out)
+    assert f"serving {MODEL} at {server.url}/v1" in out
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_completion_and_its_stream_agree(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL, prompt="The river and the mountain", max_tokens=12, temperature=0)
+    full = client.completions.create(**kwargs)
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12 and full.usage.prompt_tokens > 0
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_completion_and_its_stream_agree(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Say hello"}], max_tokens=10, temperature=0)
+    full = client.chat.completions.create(**kwargs)
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_sse_stream_ends_with_done(server: Server) -> None:
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+    assert len(events) == 4  # one event per token, then [DONE]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "code"),
+    [
+        ("/v1/completions", b'{"model": "tiny-llama", "prompt": ', 400, None, None),
+        ("/v1/completions", b"[1, 2]", 400, None, None),
+        ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model", "model_not_found"),
+        ("/v1/chat/completions", {"model": MODEL}, 400, "messages", None),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", None),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages.0.content", None),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -5}, 400, "max_tokens", None),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens",
+         "context_length_exceeded"),
+        ("/v1/completions", {"model": MODEL, "prompt": "word " * 3000}, 400, "prompt", "context_length_exceeded"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", None),
+        ("/v1/completions", {"model": MODEL, "prompt": 42}, 400, "prompt", None),
+        ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages", None),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+         400, "temperature", None),
+    ],
+)
+def test_bad_input_gets_openai_error_json(server: Server, path, body, status, param, code) -> None:
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(f"{server.url}{path}", headers={"content-type": "application/json"}, timeout=30, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert (error["param"], error["code"]) == (param, code)
+
+
+def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=1)
+
+
+def test_server_still_serves_after_bad_input(client: openai.OpenAI) -> None:
+    assert client.completions.create(model=MODEL, prompt="still alive", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_both_groups_receive_traffic(server: Server, client: openai.OpenAI) -> None:
+    before = httpx.get(f"{server.url}/metrics").text
+    for i in range(4):
+        client.completions.create(model=MODEL, prompt=f"request {i}", max_tokens=4, extra_body={"ignore_eos": True})
+    after = httpx.get(f"{server.url}/metrics").text
+    for group in GROUPS:
+        served = metric(after, "flotilla_generation_tokens_total", group=group) - metric(
+            before, "flotilla_generation_tokens_total", group=group
+        )
+        assert served == 8, f"{group} generated {served} tokens"
+        assert metric(after, "flotilla_routing_decisions_total", policy="round_robin", group=group) >= 2
+
+
+def test_health_and_metrics(server: Server) -> None:
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 200 and health.json()["groups"] == list(GROUPS)
+    text = httpx.get(f"{server.url}/metrics").text
+    assert metric(text, "flotilla_requests_total", endpoint="completions", status="200") > 0
+    assert metric(text, "flotilla_requests_total", endpoint="completions", status="404") > 0
+    assert "flotilla_time_to_first_token_seconds_bucket" in text
+
+
+def test_client_disconnect_aborts_the_engine_request(server: Server, ray_driver) -> None:
+    leaders = [ray.get_actor(leader_actor_name(g), namespace=LEADER_NAMESPACE) for g in GROUPS]
+
+    def unfinished() -> int:
+        return sum(ray.get([leader.num_unfinished_requests.remote() for leader in leaders]))
+
+    assert unfinished() == 0
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break
+        assert unfinished() == 1
+    # 2000 tokens take well over 10 s here; the abort must free the engine long before that.
+    assert wait_until(lambda: unfinished() == 0, timeout_s=5), "engine request still running after disconnect"
+    text = httpx.get(f"{server.url}/metrics").text
+    assert metric(text, "flotilla_aborted_requests_total", endpoint="completions") == 1
+
+
+def test_status_shows_every_group_rank_bundle_and_node(server: Server) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "status", "--json", "--address", server.ray_address],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=True,
+    )
+    groups = json.loads(result.stdout)
+    assert [g["name"] for g in groups] == list(GROUPS)
+    for group in groups:
+        assert group["state"] == "ready"
+        assert group["leader"]["state"] == "ALIVE"
+        (rank,) = group["ranks"]
+        assert rank["bundle"] == 1 and rank["actor"]["state"] == "ALIVE"
+        assert rank["node_id"] == rank["actor"]["node_id"]
