@@ -15,7 +15,7 @@ Unknown keys are errors, never silently ignored.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -77,6 +77,32 @@ class CpuEngineDefaults(_Strict):
     )
 
 
+class IngressConfig(_Strict):
+    """How HTTP reaches the ingress replicas."""
+
+    proxy: Literal["haproxy", "serve"] = Field(
+        "haproxy",
+        description=(
+            "haproxy: Ray Serve's direct ingress, HAProxy forwards HTTP straight to the ingress replicas' own "
+            "servers (no Python proxy hop; the short path). serve: Ray Serve's Python HTTP proxy actor."
+        ),
+    )
+    drain_period_s: float = Field(
+        2.0, ge=0, description="How long a stopping ingress replica keeps accepting (haproxy mode)."
+    )
+    replicas: int = Field(1, ge=1, description="Ingress replicas.")
+
+    def ray_env(self) -> dict[str, str]:
+        """Environment the Serve controller and replicas need (set before Ray starts)."""
+        if self.proxy == "serve":
+            return {}
+        return {
+            "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            "RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(self.drain_period_s),
+        }
+
+
 class ServeConfig(_Strict):
     model: str = Field(..., description="Path to a Hugging Face model folder (config.json, tokenizer, weights).")
     served_model_name: str | None = Field(None, description="Name clients use in 'model'; default: folder name.")
@@ -84,10 +110,12 @@ class ServeConfig(_Strict):
     tensor_parallel_size: int = Field(1, ge=1, description="TP ranks per pipeline stage (kept within a node).")
     pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages per group (may span nodes).")
     engine_args: dict[str, Any] = Field(
-        default_factory=dict, description="Extra vLLM AsyncEngineArgs fields (checked against vLLM at startup)."
+        default_factory=dict,
+        description="Extra vLLM AsyncEngineArgs fields (checked against vLLM at startup).",
     )
     cpu: CpuEngineDefaults = CpuEngineDefaults()
     routing_policy: str = Field("round_robin", description="Routing policy name (see router/policies).")
+    ingress: IngressConfig = IngressConfig()
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     cluster: ClusterConfig = ClusterConfig()

@@ -59,13 +59,17 @@ def engine_kwargs(spec: EngineSpec, on_cpu: bool) -> dict[str, Any]:
             "enforce_eager": False,
             "compilation_config": dict(CPU_COMPILATION_CONFIG),
         }
-    return defaults | spec.engine_args | {
-        "model": spec.model,
-        "served_model_name": spec.served_model_name,
-        "tensor_parallel_size": spec.tensor_parallel_size,
-        "pipeline_parallel_size": spec.pipeline_parallel_size,
-        "distributed_executor_backend": "ray",
-    }
+    return (
+        defaults
+        | spec.engine_args
+        | {
+            "model": spec.model,
+            "served_model_name": spec.served_model_name,
+            "tensor_parallel_size": spec.tensor_parallel_size,
+            "pipeline_parallel_size": spec.pipeline_parallel_size,
+            "distributed_executor_backend": "ray",
+        }
+    )
 
 
 def worker_env(spec: EngineSpec, on_cpu: bool, node_cpus: float, node_slots: float) -> dict[str, str]:

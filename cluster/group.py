@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 import ray
@@ -21,9 +21,16 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.engine import EngineSpec
 from cluster.group_api import LEADER_NAMESPACE, leader_actor_name
 from cluster.leader import EngineInfo, GroupLeader
-from cluster.placement import LEADER_BUNDLE_INDEX, RankAssignment, assign_ranks, bundle_indices_env, plan_bundles
+from cluster.placement import (
+    LEADER_BUNDLE_INDEX,
+    RankAssignment,
+    assign_ranks,
+    bundle_indices_env,
+    plan_bundles,
+)
 
-class GroupState(str, Enum):
+
+class GroupState(StrEnum):
     PLACING = "placing"
     STARTING = "starting"
     READY = "ready"

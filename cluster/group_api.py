@@ -1,15 +1,18 @@
 """The contract between the ingress and a replica group's leader.
 
-The ingress tokenizes, validates and routes; it sends a :class:`GenerateRequest` holding
-prompt token ids to the chosen group's leader actor, which streams back
-:class:`GenerateChunk` objects. Both sides import only this module from each other, and it
-imports nothing heavy (no vLLM, no Ray), so the ingress stays light.
+The ingress tokenizes, validates and routes; it submits a :class:`GenerateRequest` holding
+prompt token ids to the chosen group's leader actor (``submit``). Each ingress replica holds
+one long-lived stream per group (``outputs``) on which the leader sends batches of
+:class:`RequestOutput`: every chunk ready at that moment, for all of that ingress's requests.
+
+Both sides import only this module from each other, and it imports nothing heavy (no vLLM,
+no Ray), so the ingress stays light.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 LEADER_NAMESPACE = "flotilla"
 
@@ -58,7 +61,7 @@ class GenerateChunk:
     stop_reason: str | int | None = None
 
 
-class EngineErrorKind(str, Enum):
+class EngineErrorKind(StrEnum):
     BAD_REQUEST = "bad_request"
     ENGINE_DEAD = "engine_dead"
     INTERNAL = "internal"
@@ -74,3 +77,12 @@ class GroupEngineError(Exception):
 
     def __reduce__(self):  # keep kind/message across Ray's pickling
         return (GroupEngineError, (self.kind, self.message))
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One item of a channel batch: a chunk of ``request_id``, or the error that ended it."""
+
+    request_id: str
+    chunk: GenerateChunk | None = None
+    error: GroupEngineError | None = None

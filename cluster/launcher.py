@@ -25,6 +25,7 @@ from cluster.local_ray import LocalCluster, LocalClusterShape
 
 SERVE_APP_NAME = "flotilla"
 HEARTBEAT_S = 10.0
+INGRESS_REACHABLE_TIMEOUT_S = 60.0
 
 Say = Callable[[str], None]
 
@@ -40,8 +41,8 @@ def validate(config: ServeConfig) -> ModelShape:
     except (OSError, KeyError, ValueError) as err:
         raise ConfigError(f"cannot read model {config.model_path}: {err}") from err
     problems = check_layout(shape, config.tensor_parallel_size, config.pipeline_parallel_size)
-    if config.cluster.address is None and config.cluster.local.slots_per_node is not None:
-        local = config.cluster.local
+    local = config.cluster.local
+    if config.cluster.address is None and local.slots_per_node is not None:
         problems += check_capacity(
             config.groups * config.slots_per_group,
             local.nodes * local.slots_per_node,
@@ -104,6 +105,9 @@ async def start(config: ServeConfig, say: Say, verbose: bool = False) -> Deploym
 
 def _start_ray(config: ServeConfig, say: Say, verbose: bool) -> LocalCluster | None:
     began = time.monotonic()
+    # Ray processes inherit this environment from the local cluster we start; an existing
+    # cluster must have been started with it (see deploy/).
+    os.environ.update(config.ingress.ray_env())
     if config.cluster.address is not None:
         ray.init(address=config.cluster.address, namespace=config.cluster.namespace, log_to_driver=verbose)
         say(f"joined Ray cluster at {config.cluster.address}")
@@ -196,7 +200,25 @@ def _deploy_ingress(deployment: Deployment) -> None:
         leader_namespace=LEADER_NAMESPACE,
     )
     serve.start(http_options={"host": config.host, "port": config.port}, detached=False)
-    serve.run(OpenAIIngress.bind(settings), name=SERVE_APP_NAME, route_prefix="/")
+    ingress = OpenAIIngress.options(num_replicas=config.ingress.replicas)  # type: ignore[attr-defined]
+    serve.run(ingress.bind(settings), name=SERVE_APP_NAME, route_prefix="/")
+    _wait_until_reachable(f"{deployment.url}/health", INGRESS_REACHABLE_TIMEOUT_S)
+
+
+def _wait_until_reachable(url: str, timeout_s: float) -> None:
+    """The app being deployed is not enough: the HTTP front (HAProxy) must route to it."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s of deploying the ingress")
+        time.sleep(0.2)
 
 
 def run_forever(config: ServeConfig, say: Say, verbose: bool = False) -> None:

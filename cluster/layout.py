@@ -26,9 +26,7 @@ class ModelShape:
     def from_model_dir(cls, model_dir: Path) -> ModelShape:
         config_file = model_dir / "config.json"
         if not config_file.is_file():
-            raise FileNotFoundError(
-                f"no config.json in {model_dir} (build the tiny models with `flotilla make-model`)"
-            )
+            raise FileNotFoundError(f"no config.json in {model_dir} (build the tiny models with `flotilla make-model`)")
         config = json.loads(config_file.read_text())
         config = config.get("text_config", config)
         heads = int(config["num_attention_heads"])

@@ -12,17 +12,24 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from enum import Enum
+from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from cluster.engine import EngineSpec, apply_process_env, engine_kwargs, running_on_flotilla_cpu, worker_env
-from cluster.group_api import EngineErrorKind, GenerateChunk, GenerateRequest, GroupEngineError, SamplingSpec
+from cluster.group_api import (
+    EngineErrorKind,
+    GenerateChunk,
+    GenerateRequest,
+    GroupEngineError,
+    RequestOutput,
+    SamplingSpec,
+)
 
 logger = logging.getLogger(__name__)
 
 
-class LeaderPhase(str, Enum):
+class LeaderPhase(StrEnum):
     CREATED = "created"
     STARTING_ENGINE = "starting_engine"  # workers, weights, KV cache
     READY = "ready"
@@ -39,6 +46,14 @@ class EngineInfo:
     num_kv_blocks: int
     vllm_instance_id: str
     startup_s: float
+
+
+@dataclass(slots=True)
+class _Channel:
+    """Output of the requests one ingress replica submitted, waiting to be streamed to it."""
+
+    outbox: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
+    requests: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +80,7 @@ class GroupLeader:
         self.engine: Any = None
         self.info: EngineInfo | None = None
         self.vllm_instance_id: str | None = None
+        self._channels: dict[str, _Channel] = {}
 
     def describe(self) -> LeaderDescription:
         return LeaderDescription(
@@ -92,6 +108,7 @@ class GroupLeader:
 
     def _build_engine(self) -> EngineInfo:
         import ray
+        from ray.runtime_env import RuntimeEnv
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -109,7 +126,7 @@ class GroupLeader:
         node_resources = _node_resources(ray.get_runtime_context().get_node_id())
         env = worker_env(self.spec, on_cpu, node_resources.get("CPU", 1), node_resources.get("GPU", 1))
         if env:
-            vllm_config.parallel_config.ray_runtime_env = {"env_vars": env}
+            vllm_config.parallel_config.ray_runtime_env = RuntimeEnv(env_vars=env)
         self.vllm_instance_id = vllm_config.instance_id
         self.engine = AsyncLLM.from_vllm_config(vllm_config, usage_context=UsageContext.OPENAI_API_SERVER)
         cache = vllm_config.cache_config
@@ -121,18 +138,57 @@ class GroupLeader:
             startup_s=time.monotonic() - started,
         )
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+    async def submit(self, channel_id: str, request: GenerateRequest) -> None:
+        """Start ``request``; its output goes to the channel's ``outputs`` stream."""
+        if self.phase is not LeaderPhase.READY:
+            raise GroupEngineError(EngineErrorKind.ENGINE_DEAD, f"group {self.group_name} is {self.phase.value}")
+        channel = self._channel(channel_id)
+        task = asyncio.create_task(self._run(channel, request))
+        channel.requests[request.request_id] = task
+
+    async def outputs(self, channel_id: str) -> AsyncIterator[list[RequestOutput]]:
+        """One long-lived stream per ingress replica: everything ready at once goes out as one batch.
+
+        Chunks of all requests produced by one engine step arrive together, so a step costs
+        one Ray object per ingress instead of one per request; nothing waits to fill a batch.
+        """
+        channel = self._channel(channel_id)
+        try:
+            while True:
+                batch = [await channel.outbox.get()]
+                while not channel.outbox.empty():
+                    batch.append(channel.outbox.get_nowait())
+                yield batch
+        finally:
+            # The ingress went away: nobody will read these requests' output.
+            self._channels.pop(channel_id, None)
+            for task in channel.requests.values():
+                task.cancel()
+
+    async def abort(self, request_id: str) -> None:
+        for channel in self._channels.values():
+            task = channel.requests.get(request_id)
+            if task is not None:
+                task.cancel()  # AsyncLLM.generate aborts the engine request when cancelled
+
+    def _channel(self, channel_id: str) -> _Channel:
+        if channel_id not in self._channels:
+            self._channels[channel_id] = _Channel()
+        return self._channels[channel_id]
+
+    async def _run(self, channel: _Channel, request: GenerateRequest) -> None:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        if self.phase is not LeaderPhase.READY:
-            raise GroupEngineError(EngineErrorKind.ENGINE_DEAD, f"group {self.group_name} is {self.phase.value}")
+        request_id = request.request_id
         params = _sampling_params(request.sampling, request.stream)
         prompt = {"prompt_token_ids": request.prompt_token_ids}
+        finished = False
         try:
-            async for output in self.engine.generate(prompt, params, request.request_id):
+            async for output in self.engine.generate(prompt, params, request_id):
                 completion = output.outputs[0]
-                yield GenerateChunk(
+                finished = completion.finish_reason is not None
+                chunk = GenerateChunk(
                     text=completion.text,
                     token_ids=list(completion.token_ids),
                     num_prompt_tokens=len(output.prompt_token_ids or ()),
@@ -140,20 +196,33 @@ class GroupLeader:
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
+                channel.outbox.put_nowait(RequestOutput(request_id, chunk))
+            if not finished:
+                raise GroupEngineError(EngineErrorKind.INTERNAL, "the engine ended the request without finishing it")
         except EngineDeadError as err:
             self.phase, self.error = LeaderPhase.FAILED, str(err)
-            raise GroupEngineError(EngineErrorKind.ENGINE_DEAD, str(err)) from None
+            channel.outbox.put_nowait(
+                RequestOutput(request_id, error=GroupEngineError(EngineErrorKind.ENGINE_DEAD, str(err)))
+            )
         except (VLLMClientError, ValueError) as err:
-            raise GroupEngineError(EngineErrorKind.BAD_REQUEST, str(err)) from None
-
-    async def abort(self, request_id: str) -> None:
-        if self.engine is not None:
-            await self.engine.abort(request_id)
+            channel.outbox.put_nowait(
+                RequestOutput(request_id, error=GroupEngineError(EngineErrorKind.BAD_REQUEST, str(err)))
+            )
+        except GroupEngineError as err:
+            channel.outbox.put_nowait(RequestOutput(request_id, error=err))
+        finally:
+            channel.requests.pop(request_id, None)
 
     async def check_health(self) -> None:
         if self.engine is None:
             raise GroupEngineError(EngineErrorKind.ENGINE_DEAD, f"group {self.group_name} has no engine")
         await self.engine.check_health()
+
+    def engine_metrics(self) -> bytes:
+        """vLLM's own Prometheus metrics of this engine (``vllm:*``), in text exposition format."""
+        from prometheus_client import REGISTRY, generate_latest
+
+        return generate_latest(REGISTRY)
 
     def num_unfinished_requests(self) -> int:
         return 0 if self.engine is None else self.engine.output_processor.get_num_unfinished_requests()

@@ -44,7 +44,7 @@ class LocalCluster:
     def __init__(self, shape: LocalClusterShape, namespace: str, log_to_driver: bool) -> None:
         self.shape = shape
         self._multi_node: Any = None
-        node_args = {
+        node_args: dict[str, Any] = {
             "num_cpus": shape.cpus_per_node,
             "num_gpus": shape.slots_per_node,
             "object_store_memory": shape.object_store_bytes,

@@ -70,9 +70,7 @@ def assign_ranks(bundle_nodes: Sequence[str], tp: int, pp: int) -> list[RankAssi
             "ranks on one node each; give every node a multiple of TP accelerator slots"
         )
     return [
-        RankAssignment(
-            rank=pp_rank * tp + tp_rank, pp_rank=pp_rank, tp_rank=tp_rank, bundle_index=bundle, node_id=node
-        )
+        RankAssignment(rank=pp_rank * tp + tp_rank, pp_rank=pp_rank, tp_rank=tp_rank, bundle_index=bundle, node_id=node)
         for pp_rank, (node, bundles) in enumerate(stages)
         for tp_rank, bundle in enumerate(bundles)
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -19,7 +20,7 @@ def connect(address: str, namespace: str | None = None) -> None:
     token_path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", DEFAULT_TOKEN_PATH))
     if "RAY_AUTH_MODE" not in os.environ and ("RAY_AUTH_TOKEN" in os.environ or token_path.is_file()):
         os.environ["RAY_AUTH_MODE"] = "token"
-        from ray._raylet import Config
+        from ray._raylet import Config  # type: ignore[attr-defined]
 
         Config.initialize("")  # RayConfig caches the mode when ray is imported; re-read it
-    ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR")
+    ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.ERROR)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import ray
 
@@ -66,6 +66,7 @@ def collect(namespace: str) -> list[GroupStatus]:
     from ray.util.state.exception import ServerUnavailable
 
     actors: dict[str, Any] = {}
+    listed: list[Any]
     try:
         listed = list_actors(detail=True, limit=10_000, raise_on_missing_output=False)
     except ServerUnavailable:
@@ -89,7 +90,7 @@ def _group_status(
     leader_actor = actors.get(leader_name)
     try:
         handle = ray.get_actor(leader_name, namespace=namespace)
-        description: LeaderDescription = ray.get(handle.describe.remote(), timeout=DESCRIBE_TIMEOUT_S)
+        description = cast(LeaderDescription, ray.get(handle.describe.remote(), timeout=DESCRIBE_TIMEOUT_S))
     except Exception as err:
         return GroupStatus(group, "unreachable", f"{type(err).__name__}: {err}", 0, 0, _actor(leader_actor))
     tp, pp = description.tensor_parallel_size, description.pipeline_parallel_size
@@ -133,8 +134,7 @@ def render_table(groups: list[GroupStatus]) -> str:
         layout = f"{g.tensor_parallel_size}×{g.pipeline_parallel_size}"
         leader = g.leader
         rows.append(
-            (g.name, g.state, layout, "leader", "0", _short(leader.node_id if leader else None))
-            + _actor_cells(leader)
+            (g.name, g.state, layout, "leader", "0", _short(leader.node_id if leader else None)) + _actor_cells(leader)
         )
         for r in g.ranks:
             role = f"rank {r.rank} (PP{r.pp_rank} TP{r.tp_rank})"

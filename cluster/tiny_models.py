@@ -39,7 +39,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
 STAMP_FILE = "flotilla-model.json"
-_WORDS = (
+WORDS = (
     "the a an of to in on at for with from by as is are was were be been it this that these those "
     "and or but if then else when while where why how what which who whom model token cache block "
     "router group node rank layer expert prefix request server cluster engine replica stream batch "
@@ -107,7 +107,7 @@ def _synthetic_corpus(seed: int, num_sentences: int = 4000) -> list[str]:
     rng = random.Random(seed)
     sentences = []
     for _ in range(num_sentences):
-        words = rng.choices(_WORDS, k=rng.randint(4, 14))
+        words = rng.choices(WORDS, k=rng.randint(4, 14))
         number = str(rng.randint(0, 9999)) if rng.random() < 0.3 else ""
         sentences.append(" ".join(words).capitalize() + (f" {number}" if number else "") + rng.choice(".?!,;:"))
     return sentences
@@ -181,7 +181,11 @@ def _save_weights(spec: TinyModelSpec, path: Path) -> None:
     def normal(std: float, *shape: int) -> np.ndarray:
         return rng.normal(0.0, std, size=shape).astype(np.float32)
 
-    h, q_dim, kv_dim = spec.hidden_size, spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+    h, q_dim, kv_dim = (
+        spec.hidden_size,
+        spec.num_attention_heads * spec.head_dim,
+        spec.num_key_value_heads * spec.head_dim,
+    )
     ffn = spec.intermediate_size
     proj_std = 1.0 / np.sqrt(h)
     tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": normal(1.0, spec.vocab_size, h)}

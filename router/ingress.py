@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import ray
 from fastapi import FastAPI, Request
@@ -30,6 +30,8 @@ from cluster.group_api import (
     GroupEngineError,
     leader_actor_name,
 )
+from router.engine_metrics import merge_group_metrics
+from router.group_channel import GroupChannel
 from router.metrics import IngressMetrics
 from router.openai_adapter import PreparedRequest, StreamTotals, prepare_chat, prepare_completion
 from router.policies import GroupView, RoutingRequest, make_policy
@@ -47,6 +49,7 @@ logger = logging.getLogger(__name__)
 RequestT = TypeVar("RequestT", bound=BaseModel)
 SSE_DONE = b"data: [DONE]\n\n"
 NO_GROUP_RETRY_AFTER_S = 5
+ENGINE_METRICS_TIMEOUT_S = 2.0
 
 
 class IngressSettings(BaseModel):
@@ -63,7 +66,7 @@ class IngressSettings(BaseModel):
 @dataclass(slots=True)
 class GroupEndpoint:
     view: GroupView
-    leader: Any  # ActorHandle of cluster.leader.GroupLeader
+    channel: GroupChannel
 
 
 app = FastAPI(title="Flotilla", docs_url=None, redoc_url=None)
@@ -103,9 +106,7 @@ _UNION_MEMBER_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 def _param_path(loc: tuple[int | str, ...]) -> str:
     """``messages.0.content`` from pydantic's location, without union-member tags like ``list[int]``."""
     parts = [
-        str(part)
-        for part in loc
-        if isinstance(part, int) or (part.isidentifier() and part not in _UNION_MEMBER_TAGS)
+        str(part) for part in loc if isinstance(part, int) or (part.isidentifier() and part not in _UNION_MEMBER_TAGS)
     ]
     return ".".join(parts)
 
@@ -124,7 +125,9 @@ def _engine_error(err: BaseException, group: str) -> OpenAIError:
     )
 
 
-async def _prepend(first: GenerateChunk, rest: AsyncIterator[GenerateChunk]) -> AsyncIterator[GenerateChunk]:
+async def _prepend(
+    first: GenerateChunk, rest: AsyncGenerator[GenerateChunk, None]
+) -> AsyncGenerator[GenerateChunk, None]:
     yield first
     async for chunk in rest:
         yield chunk
@@ -143,10 +146,11 @@ class OpenAIIngress:
         self.settings = settings
         self.tokenizer = PromptTokenizer(settings.model_path)
         self.policy = make_policy(settings.routing_policy)
-        self.metrics = IngressMetrics()
+        self.stats = IngressMetrics()
         self.groups = {
             name: GroupEndpoint(
-                GroupView(name), ray.get_actor(leader_actor_name(name), namespace=settings.leader_namespace)
+                GroupView(name),
+                GroupChannel(ray.get_actor(leader_actor_name(name), namespace=settings.leader_namespace)),
             )
             for name in settings.group_names
         }
@@ -159,7 +163,18 @@ class OpenAIIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        engines = await self._engine_metrics()
+        return Response(self.stats.render() + merge_group_metrics(engines), media_type=CONTENT_TYPE_LATEST)
+
+    async def _engine_metrics(self) -> dict[str, str]:
+        """Each group's vLLM metrics; a group that does not answer in time is left out of this scrape."""
+        names = list(self.groups)
+        calls = [self.groups[name].channel.leader.engine_metrics.remote() for name in names]
+        results = await asyncio.gather(
+            *(asyncio.wait_for(asyncio.wrap_future(call.future()), ENGINE_METRICS_TIMEOUT_S) for call in calls),
+            return_exceptions=True,
+        )
+        return {name: r.decode() for name, r in zip(names, results, strict=True) if isinstance(r, bytes)}
 
     @app.get("/v1/models")
     async def models(self) -> ModelList:
@@ -181,7 +196,7 @@ class OpenAIIngress:
         prepare: Callable[..., PreparedRequest],
     ) -> Response:
         arrived = time.perf_counter()
-        chunks: AsyncIterator[GenerateChunk] | None = None
+        chunks: AsyncGenerator[GenerateChunk, None] | None = None
         try:
             body = await parse_body(http_request, request_model)
             if body.model != self.settings.model_name:
@@ -192,13 +207,13 @@ class OpenAIIngress:
             chunks = self._generate(self._route(prepared), prepared)
             first = await anext(chunks)  # errors before the first token still get a proper status code
         except OpenAIError as err:
-            self.metrics.requests.labels(endpoint, str(err.status_code)).inc()
+            self.stats.requests.labels(endpoint, str(err.status_code)).inc()
             return error_response(err)
         except BaseException:
             if chunks is not None:
                 await chunks.aclose()
             raise
-        self.metrics.time_to_first_token.labels(endpoint).observe(time.perf_counter() - arrived)
+        self.stats.time_to_first_token.labels(endpoint).observe(time.perf_counter() - arrived)
         if prepared.generate.stream:
             events = self._sse(prepared, first, chunks, endpoint, arrived)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -228,44 +243,33 @@ class OpenAIIngress:
             )
         routing_request = RoutingRequest(prepared.generate.request_id, prepared.generate.prompt_token_ids)
         chosen = self.policy.choose(routing_request, candidates)
-        self.metrics.routing_decisions.labels(self.policy.name, chosen.name).inc()
+        self.stats.routing_decisions.labels(self.policy.name, chosen.name).inc()
         return self.groups[chosen.name]
 
-    async def _generate(self, group: GroupEndpoint, prepared: PreparedRequest) -> AsyncIterator[GenerateChunk]:
+    async def _generate(self, group: GroupEndpoint, prepared: PreparedRequest) -> AsyncGenerator[GenerateChunk, None]:
         request = prepared.generate
         routing_request = RoutingRequest(request.request_id, request.prompt_token_ids)
         name = group.view.name
         group.view.in_flight += 1
-        self.metrics.group_in_flight.labels(name).set(group.view.in_flight)
+        self.stats.group_in_flight.labels(name).set(group.view.in_flight)
         self.policy.on_routed(routing_request, group.view)
-        finished = False
         try:
-            stream = group.leader.generate.options(num_returns="streaming").remote(request)
-            produced = False
-            async for ref in stream:
-                chunk: GenerateChunk = await ref
-                self.metrics.generation_tokens.labels(name).inc(len(chunk.token_ids))
-                produced = True
+            async for chunk in group.channel.generate(request):
+                self.stats.generation_tokens.labels(name).inc(len(chunk.token_ids))
                 yield chunk
-            finished = True
-            if not produced:
-                raise _engine_error(RuntimeError("the engine ended the request without output"), name)
         except (RayTaskError, RayActorError, GroupEngineError) as err:
-            finished = True
             raise _engine_error(err, name) from None
         finally:
             group.view.in_flight -= 1
-            self.metrics.group_in_flight.labels(name).set(group.view.in_flight)
-            self.metrics.prompt_tokens.labels(name).inc(len(request.prompt_token_ids))
+            self.stats.group_in_flight.labels(name).set(group.view.in_flight)
+            self.stats.prompt_tokens.labels(name).inc(len(request.prompt_token_ids))
             self.policy.on_finished(routing_request, group.view)
-            if not finished:  # client went away: free the engine's slot now
-                group.leader.abort.remote(request.request_id)
 
     async def _sse(
         self,
         prepared: PreparedRequest,
         first: GenerateChunk,
-        chunks: AsyncIterator[GenerateChunk],
+        chunks: AsyncGenerator[GenerateChunk, None],
         endpoint: str,
         arrived: float,
     ) -> AsyncIterator[bytes]:
@@ -284,7 +288,7 @@ class OpenAIIngress:
             status = str(err.status_code)
             yield b"data: " + JSONResponse(err.body()).body + b"\n\n"
         except (asyncio.CancelledError, GeneratorExit):
-            self.metrics.aborted.labels(endpoint).inc()
+            self.stats.aborted.labels(endpoint).inc()
             status = "499"
             raise
         finally:
@@ -293,6 +297,5 @@ class OpenAIIngress:
         yield SSE_DONE
 
     def _count(self, endpoint: str, status: str, arrived: float) -> None:
-        self.metrics.requests.labels(endpoint, status).inc()
-        self.metrics.request_latency.labels(endpoint).observe(time.perf_counter() - arrived)
-
+        self.stats.requests.labels(endpoint, status).inc()
+        self.stats.request_latency.labels(endpoint).observe(time.perf_counter() - arrived)

@@ -53,7 +53,12 @@ def prepare_completion(
             raise bad_request(f"prompt token ids must be below the vocabulary size {tokenizer.vocab_size}", "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     return _prepare(
-        request, request_id, token_ids, request.max_tokens, max_model_len, CompletionFormatter(request_id, model_name)
+        request,
+        request_id,
+        token_ids,
+        request.max_tokens,
+        max_model_len,
+        CompletionFormatter(request_id, model_name),
     )
 
 
@@ -167,7 +172,11 @@ class CompletionFormatter(ResponseFormatter):
 class ChatFormatter(ResponseFormatter):
     def _chunk(self, choices: list[ChatChunkChoice], totals: StreamTotals | None) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            id=self.request_id, created=self.created, model=self.model_name, choices=choices, usage=_usage(totals)
+            id=self.request_id,
+            created=self.created,
+            model=self.model_name,
+            choices=choices,
+            usage=_usage(totals),
         )
 
     def full(self, text: str, finish_reason: str | None, totals: StreamTotals) -> BaseModel:

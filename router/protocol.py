@@ -100,9 +100,12 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class CompletionRequest(SamplingFields):
-    prompt: StrictStr | TokenIds | Annotated[list[StrictStr], Field(min_length=1, max_length=1)] | Annotated[
-        list[TokenIds], Field(min_length=1, max_length=1)
-    ]
+    prompt: (
+        StrictStr
+        | TokenIds
+        | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+    )
     max_tokens: StrictInt | None = 16
     echo: Literal[False] = False
     suffix: None = None

@@ -25,4 +25,4 @@ class PromptTokenizer:
     def encode_chat(self, messages: list[ChatMessage]) -> list[int]:
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
         text = self._tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-        return self.encode_text(text)
+        return self.encode_text(str(text))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import socket
 import subprocess
 import sys
 
@@ -101,16 +103,38 @@ def test_sse_stream_ends_with_done(server: Server) -> None:
         ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model", "model_not_found"),
         ("/v1/chat/completions", {"model": MODEL}, 400, "messages", None),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", None),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages.0.content", None),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user"}]},
+            400,
+            "messages.0.content",
+            None,
+        ),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -5}, 400, "max_tokens", None),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "max_tokens",
-         "context_length_exceeded"),
-        ("/v1/completions", {"model": MODEL, "prompt": "word " * 3000}, 400, "prompt", "context_length_exceeded"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "max_tokens": 10**9},
+            400,
+            "max_tokens",
+            "context_length_exceeded",
+        ),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "word " * 3000},
+            400,
+            "prompt",
+            "context_length_exceeded",
+        ),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", None),
         ("/v1/completions", {"model": MODEL, "prompt": 42}, 400, "prompt", None),
         ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages", None),
-        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
-         400, "temperature", None),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+            400,
+            "temperature",
+            None,
+        ),
     ],
 )
 def test_bad_input_gets_openai_error_json(server: Server, path, body, status, param, code) -> None:
@@ -154,6 +178,9 @@ def test_health_and_metrics(server: Server) -> None:
     assert metric(text, "flotilla_requests_total", endpoint="completions", status="200") > 0
     assert metric(text, "flotilla_requests_total", endpoint="completions", status="404") > 0
     assert "flotilla_time_to_first_token_seconds_bucket" in text
+    for group in GROUPS:  # each engine's own counters, re-exported with a group label
+        assert metric(text, "vllm:generation_tokens_total", group=group) > 0
+        assert re.search(rf'^vllm:kv_cache_usage_perc\{{[^}}]*group="{group}"', text, re.M)
 
 
 def test_client_disconnect_aborts_the_engine_request(server: Server, ray_driver) -> None:
@@ -178,7 +205,11 @@ def test_client_disconnect_aborts_the_engine_request(server: Server, ray_driver)
 def test_status_shows_every_group_rank_bundle_and_node(server: Server) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "cluster.cli", "status", "--json", "--address", server.ray_address],
-        cwd=REPO, capture_output=True, text=True, timeout=120, check=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     groups = json.loads(result.stdout)
     assert [g["name"] for g in groups] == list(GROUPS)
@@ -188,3 +219,21 @@ def test_status_shows_every_group_rank_bundle_and_node(server: Server) -> None:
         (rank,) = group["ranks"]
         assert rank["bundle"] == 1 and rank["actor"]["state"] == "ALIVE"
         assert rank["node_id"] == rank["actor"]["node_id"]
+
+
+def test_ctrl_c_shuts_everything_down(server: Server, ray_driver) -> None:
+    """Runs last in this module: SIGINT, as Ctrl-C sends, stops the groups, Serve and Ray."""
+    ray.shutdown()  # this test process must not keep the cluster alive
+    server.process.send_signal(signal.SIGINT)
+    assert server.process.wait(timeout=120) == 0
+    assert "flotilla: shutting down" in server.output() and "flotilla: stopped" in server.output()
+    host, port = server.ray_address.rsplit(":", 1)
+    assert wait_until(lambda: not port_open(host, int(port)), timeout_s=30), "Ray GCS still listening"
+    http_port = int(server.url.rsplit(":", 1)[1])
+    assert not port_open("127.0.0.1", http_port)
+
+
+def port_open(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(1)
+        return sock.connect_ex((host, port)) == 0

@@ -43,7 +43,10 @@ def test_overrides_win(tmp_path) -> None:
         ("tensor_parallel_size: 3", "heads-divisible-by-tp"),
         ("tensor_parallel_size: 8", "heads-divisible-by-tp"),
         ("pipeline_parallel_size: 5", "layers-vs-pp"),
-        ("groups: 3\ntensor_parallel_size: 2\ncluster: {local: {slots_per_node: 2, nodes: 2}}", "slots-available"),
+        (
+            "groups: 3\ntensor_parallel_size: 2\ncluster: {local: {slots_per_node: 2, nodes: 2}}",
+            "slots-available",
+        ),
     ],
 )
 def test_invalid_layouts_name_their_rule(tmp_path, tiny_llama, fields: str, rule: str) -> None:

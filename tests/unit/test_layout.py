@@ -12,10 +12,21 @@ LLAMA_8B = ModelShape("LlamaForCausalLM", 32, 8, 32, 14336, 8192)
     [
         ("llama8b tp8 pp1 valid", LLAMA_8B, 8, 1, []),
         ("llama8b tp16 replicates kv heads", LLAMA_8B, 16, 1, []),
-        ("llama8b tp3 breaks heads, kv heads and intermediate", LLAMA_8B, 3, 1,
-         ["heads-divisible-by-tp", "kv-heads-vs-tp", "intermediate-divisible-by-tp"]),
+        (
+            "llama8b tp3 breaks heads, kv heads and intermediate",
+            LLAMA_8B,
+            3,
+            1,
+            ["heads-divisible-by-tp", "kv-heads-vs-tp", "intermediate-divisible-by-tp"],
+        ),
         ("llama8b tp4 pp33 has too few layers", LLAMA_8B, 4, 33, ["layers-vs-pp"]),
-        ("6 kv heads vs tp4: neither divides", ModelShape("X", 24, 6, 4, 1024, 512), 4, 1, ["kv-heads-vs-tp"]),
+        (
+            "6 kv heads vs tp4: neither divides",
+            ModelShape("X", 24, 6, 4, 1024, 512),
+            4,
+            1,
+            ["kv-heads-vs-tp"],
+        ),
     ],
 )
 def test_layout_rules(name: str, shape: ModelShape, tp: int, pp: int, rules: list[str]) -> None:

@@ -38,11 +38,18 @@ def test_completion_defaults_to_16_tokens_and_greedy_settings_pass_through(token
 def test_chat_without_max_tokens_may_fill_the_context(tokenizer) -> None:
     prepared = prepare_chat(chat(), tokenizer, MAX_LEN, "m")
     assert prepared.generate.sampling.max_tokens == MAX_LEN - len(prepared.generate.prompt_token_ids)
-    assert prepare_chat(chat(max_completion_tokens=5, max_tokens=9), tokenizer, MAX_LEN, "m").generate.sampling.max_tokens == 5
+    assert (
+        prepare_chat(chat(max_completion_tokens=5, max_tokens=9), tokenizer, MAX_LEN, "m").generate.sampling.max_tokens
+        == 5
+    )
 
 
 def test_token_id_prompts_are_accepted_and_range_checked(tokenizer) -> None:
-    assert prepare_completion(completion(prompt=[5, 6, 7]), tokenizer, MAX_LEN, "m").generate.prompt_token_ids == [5, 6, 7]
+    assert prepare_completion(completion(prompt=[5, 6, 7]), tokenizer, MAX_LEN, "m").generate.prompt_token_ids == [
+        5,
+        6,
+        7,
+    ]
     with pytest.raises(OpenAIError, match="vocabulary size") as err:
         prepare_completion(completion(prompt=[5, tokenizer.vocab_size]), tokenizer, MAX_LEN, "m")
     assert err.value.param == "prompt"
@@ -86,8 +93,13 @@ def test_invalid_completion_bodies_fail_validation(body) -> None:
 
 @pytest.mark.parametrize(
     "messages",
-    [[], [{"role": "robot", "content": "x"}], [{"role": "user"}], [{"role": "user", "content": 5}],
-     [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]],
+    [
+        [],
+        [{"role": "robot", "content": "x"}],
+        [{"role": "user"}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}],
+    ],
 )
 def test_invalid_chat_messages_fail_validation(messages) -> None:
     with pytest.raises(ValidationError):
@@ -107,9 +119,18 @@ def test_formatters_shape_openai_objects(tokenizer) -> None:
     totals.add(GenerateChunk("c", [3], num_prompt_tokens=7, num_cached_tokens=0, finish_reason="length"))
     chat_fmt = prepare_chat(chat(stream=True), tokenizer, MAX_LEN, "m").formatter
     first = chat_fmt.chunk("ab", None, first=True).model_dump()
-    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {"role": "assistant", "content": "ab"}
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"] == {
+        "role": "assistant",
+        "content": "ab",
+    }
     assert chat_fmt.usage_chunk(totals).model_dump()["usage"]["total_tokens"] == 10
-    full = prepare_completion(completion(), tokenizer, MAX_LEN, "m").formatter.full("abc", "length", totals).model_dump()
+    full = (
+        prepare_completion(completion(), tokenizer, MAX_LEN, "m").formatter.full("abc", "length", totals).model_dump()
+    )
     assert full["object"] == "text_completion" and full["choices"][0]["text"] == "abc"
-    assert full["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert full["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 3,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }

@@ -12,11 +12,7 @@ from router.tokenization import PromptTokenizer
 
 
 def digest(folder: Path) -> dict[str, str]:
-    return {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.iterdir())
-        if p.is_file()
-    }
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 def test_build_is_deterministic_and_skips_when_up_to_date(tmp_path) -> None:

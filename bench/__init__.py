@@ -1,0 +1,1 @@
+"""Benchmarks. Each writes JSON and markdown under bench/results/ and a section of docs/benchmarks.md."""

@@ -1,0 +1,53 @@
+"""`flotilla serve` refuses bad configs before starting anything."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def serve(config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        (
+            "tensor_parallel_size: 3",
+            "[heads-divisible-by-tp] 4 attention heads cannot be split evenly over TP=3",
+        ),
+        ("pipeline_parallel_size: 8", "[layers-vs-pp] 4 layers cannot fill PP=8 stages"),
+        ("groups: 0", "groups: Input should be greater than or equal to 1"),
+    ],
+)
+def test_bad_layout_exits_2_naming_the_rule_without_starting_ray(tmp_path, tiny_llama, fields, expected) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(f"model: {tiny_llama}\n{fields}\n")
+    result = serve(config)
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert "Ray cluster" not in result.stdout + result.stderr
+
+
+def test_make_model_is_a_no_op_when_up_to_date(models_dir) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "make-model", "--out", str(models_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "tiny-llama: up to date" in result.stdout and "tiny-mixtral: up to date" in result.stdout
