@@ -1,9 +1,12 @@
 """The contract between the ingress and a replica group's leader.
 
 The ingress tokenizes, validates and routes; it submits a :class:`GenerateRequest` holding
-prompt token ids to the chosen group's leader actor (``submit``). Each ingress replica holds
-one long-lived stream per group (``outputs``) on which the leader sends batches of
-:class:`RequestOutput`: every chunk ready at that moment, for all of that ingress's requests.
+prompt token ids to the chosen group's leader actor (``submit``, a Ray actor call). Outputs
+come back over a ZeroMQ PUSH→PULL socket per (ingress replica, group): each message is a
+batch of :class:`RequestOutput`, every chunk ready at that moment for that ingress's requests,
+encoded with msgpack (:func:`encode_outputs`). Token streams thus skip Ray's per-object
+machinery; a Ray call held open for the channel's life (``attach``) tells the ingress when the
+leader dies.
 
 Both sides import only this module from each other, and it imports nothing heavy (no vLLM,
 no Ray), so the ingress stays light.
@@ -13,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+import msgspec
 
 LEADER_NAMESPACE = "flotilla"
 
@@ -85,4 +90,25 @@ class RequestOutput:
 
     request_id: str
     chunk: GenerateChunk | None = None
-    error: GroupEngineError | None = None
+    error_kind: EngineErrorKind | None = None
+    error_message: str = ""
+
+    @classmethod
+    def failed(cls, request_id: str, error: GroupEngineError) -> RequestOutput:
+        return cls(request_id, error_kind=error.kind, error_message=error.message)
+
+    def error(self) -> GroupEngineError | None:
+        return None if self.error_kind is None else GroupEngineError(self.error_kind, self.error_message)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(list[RequestOutput])
+
+
+def encode_outputs(batch: list[RequestOutput]) -> bytes:
+    return _encoder.encode(batch)
+
+
+def decode_outputs(payload: bytes) -> list[RequestOutput]:
+    """Typed decoding: a malformed or foreign message raises, it never builds arbitrary objects."""
+    return _decoder.decode(payload)

@@ -11,8 +11,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -25,6 +24,7 @@ from cluster.group_api import (
     RequestOutput,
     SamplingSpec,
 )
+from cluster.output_channel import OutputChannel
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +46,6 @@ class EngineInfo:
     num_kv_blocks: int
     vllm_instance_id: str
     startup_s: float
-
-
-@dataclass(slots=True)
-class _Channel:
-    """Output of the requests one ingress replica submitted, waiting to be streamed to it."""
-
-    outbox: asyncio.Queue[RequestOutput] = field(default_factory=asyncio.Queue)
-    requests: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +72,7 @@ class GroupLeader:
         self.engine: Any = None
         self.info: EngineInfo | None = None
         self.vllm_instance_id: str | None = None
-        self._channels: dict[str, _Channel] = {}
+        self._channels: dict[str, OutputChannel] = {}
 
     def describe(self) -> LeaderDescription:
         return LeaderDescription(
@@ -138,32 +130,24 @@ class GroupLeader:
             startup_s=time.monotonic() - started,
         )
 
-    async def submit(self, channel_id: str, request: GenerateRequest) -> None:
-        """Start ``request``; its output goes to the channel's ``outputs`` stream."""
+    async def submit(self, channel_id: str, address: str, request: GenerateRequest) -> None:
+        """Start ``request``; its output is pushed to the ingress channel at ``address``."""
         if self.phase is not LeaderPhase.READY:
             raise GroupEngineError(EngineErrorKind.ENGINE_DEAD, f"group {self.group_name} is {self.phase.value}")
-        channel = self._channel(channel_id)
-        task = asyncio.create_task(self._run(channel, request))
-        channel.requests[request.request_id] = task
+        channel = self._channel(channel_id, address)
+        channel.requests[request.request_id] = asyncio.create_task(self._run(channel, request))
 
-    async def outputs(self, channel_id: str) -> AsyncIterator[list[RequestOutput]]:
-        """One long-lived stream per ingress replica: everything ready at once goes out as one batch.
+    async def attach(self, channel_id: str, address: str) -> None:
+        """Held open by an ingress for its channel's life; it fails only if this actor dies.
 
-        Chunks of all requests produced by one engine step arrive together, so a step costs
-        one Ray object per ingress instead of one per request; nothing waits to fill a batch.
+        Cancelling the call (the ingress closing its channel) aborts the channel's requests.
         """
-        channel = self._channel(channel_id)
+        channel = self._channel(channel_id, address)
         try:
-            while True:
-                batch = [await channel.outbox.get()]
-                while not channel.outbox.empty():
-                    batch.append(channel.outbox.get_nowait())
-                yield batch
+            await channel.closed()
         finally:
-            # The ingress went away: nobody will read these requests' output.
             self._channels.pop(channel_id, None)
-            for task in channel.requests.values():
-                task.cancel()
+            channel.close()
 
     async def abort(self, request_id: str) -> None:
         for channel in self._channels.values():
@@ -171,12 +155,12 @@ class GroupLeader:
             if task is not None:
                 task.cancel()  # AsyncLLM.generate aborts the engine request when cancelled
 
-    def _channel(self, channel_id: str) -> _Channel:
+    def _channel(self, channel_id: str, address: str) -> OutputChannel:
         if channel_id not in self._channels:
-            self._channels[channel_id] = _Channel()
+            self._channels[channel_id] = OutputChannel(channel_id, address)
         return self._channels[channel_id]
 
-    async def _run(self, channel: _Channel, request: GenerateRequest) -> None:
+    async def _run(self, channel: OutputChannel, request: GenerateRequest) -> None:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -196,20 +180,16 @@ class GroupLeader:
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
-                channel.outbox.put_nowait(RequestOutput(request_id, chunk))
+                channel.put(RequestOutput(request_id, chunk))
             if not finished:
                 raise GroupEngineError(EngineErrorKind.INTERNAL, "the engine ended the request without finishing it")
         except EngineDeadError as err:
             self.phase, self.error = LeaderPhase.FAILED, str(err)
-            channel.outbox.put_nowait(
-                RequestOutput(request_id, error=GroupEngineError(EngineErrorKind.ENGINE_DEAD, str(err)))
-            )
+            channel.fail(request_id, EngineErrorKind.ENGINE_DEAD, str(err))
         except (VLLMClientError, ValueError) as err:
-            channel.outbox.put_nowait(
-                RequestOutput(request_id, error=GroupEngineError(EngineErrorKind.BAD_REQUEST, str(err)))
-            )
+            channel.fail(request_id, EngineErrorKind.BAD_REQUEST, str(err))
         except GroupEngineError as err:
-            channel.outbox.put_nowait(RequestOutput(request_id, error=err))
+            channel.fail(request_id, err.kind, err.message)
         finally:
             channel.requests.pop(request_id, None)
 

@@ -150,7 +150,10 @@ class OpenAIIngress:
         self.groups = {
             name: GroupEndpoint(
                 GroupView(name),
-                GroupChannel(ray.get_actor(leader_actor_name(name), namespace=settings.leader_namespace)),
+                GroupChannel(
+                    ray.get_actor(leader_actor_name(name), namespace=settings.leader_namespace),
+                    host=ray.util.get_node_ip_address(),
+                ),
             )
             for name in settings.group_names
         }

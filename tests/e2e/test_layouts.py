@@ -66,7 +66,7 @@ def run_layout(model: Path, tp: int, pp: int) -> LayoutRun:
 
     async def start_and_generate() -> list[list[int]]:
         await group.start(timeout_s=600)
-        channel = GroupChannel(group.leader)
+        channel = GroupChannel(group.leader, host="127.0.0.1")
         outputs = []
         for i, prompt in enumerate(PROMPTS):
             sampling = SamplingSpec(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
