@@ -8,6 +8,7 @@ A client that disconnects has its engine request aborted.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -216,8 +217,8 @@ class OpenAIIngress:
             if chunks is not None:
                 await chunks.aclose()
             raise
-        self.stats.time_to_first_token.labels(endpoint).observe(time.perf_counter() - arrived)
         if prepared.generate.stream:
+            self.stats.time_to_first_token.labels(endpoint).observe(time.perf_counter() - arrived)
             events = self._sse(prepared, first, chunks, endpoint, arrived)
             return StreamingResponse(events, media_type="text/event-stream")
         totals, parts, last = StreamTotals(), [], first
@@ -289,7 +290,7 @@ class OpenAIIngress:
                 yield _sse_event(formatter.usage_chunk(totals))
         except OpenAIError as err:
             status = str(err.status_code)
-            yield b"data: " + JSONResponse(err.body()).body + b"\n\n"
+            yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
         except (asyncio.CancelledError, GeneratorExit):
             self.stats.aborted.labels(endpoint).inc()
             status = "499"

@@ -25,7 +25,7 @@ class IngressMetrics:
         )
         self.time_to_first_token = Histogram(
             "flotilla_time_to_first_token_seconds",
-            "Time from request arrival to the first generated token leaving the ingress.",
+            "Streaming requests: time from arrival to the first generated token leaving the ingress.",
             ["endpoint"],
             buckets=LATENCY_BUCKETS_S,
             registry=self.registry,
