@@ -7,6 +7,7 @@ engine argument names, slots), so a bad config fails in seconds with the rule it
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -105,6 +106,8 @@ async def start(config: ServeConfig, say: Say, verbose: bool = False) -> Deploym
 
 def _start_ray(config: ServeConfig, say: Say, verbose: bool) -> LocalCluster | None:
     began = time.monotonic()
+    if not verbose:  # our own progress lines say what Serve's INFO lines would
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
     # Ray processes inherit this environment from the local cluster we start; an existing
     # cluster must have been started with it (see deploy/).
     os.environ.update(config.ingress.ray_env())
