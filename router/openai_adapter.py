@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pydantic import BaseModel
 
@@ -30,6 +31,8 @@ from router.protocol import (
     usage,
 )
 from router.tokenization import PromptTokenizer
+
+EnvelopeT = TypeVar("EnvelopeT", CompletionResponse, ChatCompletionResponse, ChatCompletionChunk)
 
 
 @dataclass(slots=True)
@@ -148,52 +151,34 @@ class ResponseFormatter:
     def usage_chunk(self, totals: StreamTotals) -> BaseModel:
         raise NotImplementedError
 
-
-class CompletionFormatter(ResponseFormatter):
-    def _response(self, choices: list[CompletionChoice], totals: StreamTotals | None) -> CompletionResponse:
-        return CompletionResponse(
-            id=self.request_id,
-            created=self.created,
-            model=self.model_name,
-            choices=choices,
-            usage=_usage(totals),
+    def _envelope(self, model: type[EnvelopeT], choices: list, totals: StreamTotals | None) -> EnvelopeT:
+        return model(
+            id=self.request_id, created=self.created, model=self.model_name, choices=choices, usage=_usage(totals)
         )
 
+
+class CompletionFormatter(ResponseFormatter):
     def full(self, text: str, finish_reason: str | None, totals: StreamTotals) -> BaseModel:
-        return self._response([CompletionChoice(text=text, finish_reason=finish_reason)], totals)
+        return self._envelope(CompletionResponse, [CompletionChoice(text=text, finish_reason=finish_reason)], totals)
 
     def chunk(self, text: str, finish_reason: str | None, first: bool) -> BaseModel:
-        return self._response([CompletionChoice(text=text, finish_reason=finish_reason)], None)
+        return self._envelope(CompletionResponse, [CompletionChoice(text=text, finish_reason=finish_reason)], None)
 
     def usage_chunk(self, totals: StreamTotals) -> BaseModel:
-        return self._response([], totals)
+        return self._envelope(CompletionResponse, [], totals)
 
 
 class ChatFormatter(ResponseFormatter):
-    def _chunk(self, choices: list[ChatChunkChoice], totals: StreamTotals | None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.request_id,
-            created=self.created,
-            model=self.model_name,
-            choices=choices,
-            usage=_usage(totals),
-        )
-
     def full(self, text: str, finish_reason: str | None, totals: StreamTotals) -> BaseModel:
-        return ChatCompletionResponse(
-            id=self.request_id,
-            created=self.created,
-            model=self.model_name,
-            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)],
-            usage=_usage(totals),
-        )
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+        return self._envelope(ChatCompletionResponse, [choice], totals)
 
     def chunk(self, text: str, finish_reason: str | None, first: bool) -> BaseModel:
         delta = ChatDelta(role="assistant" if first else None, content=text)
-        return self._chunk([ChatChunkChoice(delta=delta, finish_reason=finish_reason)], None)
+        return self._envelope(ChatCompletionChunk, [ChatChunkChoice(delta=delta, finish_reason=finish_reason)], None)
 
     def usage_chunk(self, totals: StreamTotals) -> BaseModel:
-        return self._chunk([], totals)
+        return self._envelope(ChatCompletionChunk, [], totals)
 
 
 def _usage(totals: StreamTotals | None):  # -> Usage | None
