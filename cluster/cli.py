@@ -43,6 +43,30 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from cluster.model_spec import ModelSpec, UnsupportedModelError
+    from cluster.plan_report import render_json, render_text
+    from cluster.planner import ClusterSpec, LinkKind, Workload, plan
+
+    try:
+        spec = ModelSpec.from_path(args.model)
+    except (OSError, KeyError, UnsupportedModelError) as err:
+        print(f"flotilla: cannot plan for {args.model}: {err}", file=sys.stderr)
+        return 2
+    cluster = ClusterSpec(
+        nodes=args.nodes,
+        accelerators_per_node=args.accelerators_per_node,
+        memory_gib=args.memory_gib,
+        intra_link=LinkKind(args.intra_link),
+        inter_link=LinkKind(args.inter_link),
+    )
+    context = args.context_len or min(spec.max_position_embeddings or 8192, 8192)
+    workload = Workload(context_len=context, concurrency=args.concurrency, latency_sensitive=args.latency_sensitive)
+    result = plan(spec, cluster, workload, model_name=Path(args.model).name)
+    print(render_json(result) if args.json else render_text(result))
+    return 0 if result.ranked else 1
+
+
 def cmd_make_model(args: argparse.Namespace) -> int:
     from cluster.tiny_models import TINY_MODELS, make_model
 
@@ -74,6 +98,19 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--namespace", default="flotilla")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=cmd_status)
+
+    plan = commands.add_parser("plan", help="rank TP/PP/DP/EP layouts for a model on a cluster, and say why")
+    plan.add_argument("--model", required=True, help="model folder or config.json")
+    plan.add_argument("--nodes", type=int, required=True)
+    plan.add_argument("--accelerators-per-node", type=int, required=True)
+    plan.add_argument("--memory-gib", type=float, required=True, help="memory per accelerator")
+    plan.add_argument("--intra-link", choices=["nvlink", "pcie"], default="nvlink")
+    plan.add_argument("--inter-link", choices=["rdma", "ethernet"], default="rdma")
+    plan.add_argument("--context-len", type=int, help="tokens per sequence (default: the model's, at most 8192)")
+    plan.add_argument("--concurrency", type=int, default=64, help="sequences in flight over the cluster")
+    plan.add_argument("--latency-sensitive", action="store_true", help="rank by per-token latency")
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(func=cmd_plan)
 
     make_model = commands.add_parser("make-model", help="build the tiny test models (Hugging Face folders)")
     make_model.add_argument("names", nargs="*", help="models to build (default: all)")

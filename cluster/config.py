@@ -103,12 +103,36 @@ class IngressConfig(_Strict):
         }
 
 
+class PlanConfig(_Strict):
+    """The hardware and workload the planner assumes when TP or PP is omitted (see ``flotilla plan``)."""
+
+    nodes: int | None = Field(None, ge=1, description="Default: cluster.local.nodes (required with cluster.address).")
+    accelerators_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="Default: cluster.local.slots_per_node, else one per group (required with cluster.address).",
+    )
+    memory_gib: float | None = Field(
+        None, gt=0, description="Memory per accelerator; default on a local cluster: RAM divided by the slots."
+    )
+    intra_link: Literal["nvlink", "pcie"] = "nvlink"
+    inter_link: Literal["rdma", "ethernet"] = "rdma"
+    context_len: int | None = Field(None, ge=1, description="Default: the model's, at most 8192.")
+    concurrency: int = Field(64, ge=1, description="Sequences in flight over all groups.")
+    latency_sensitive: bool = False
+
+
 class ServeConfig(_Strict):
     model: str = Field(..., description="Path to a Hugging Face model folder (config.json, tokenizer, weights).")
     served_model_name: str | None = Field(None, description="Name clients use in 'model'; default: folder name.")
     groups: int = Field(1, ge=1, description="Number of DP replica groups.")
-    tensor_parallel_size: int = Field(1, ge=1, description="TP ranks per pipeline stage (kept within a node).")
-    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages per group (may span nodes).")
+    tensor_parallel_size: int | None = Field(
+        1, ge=1, description="TP ranks per pipeline stage (kept within a node); null: the planner chooses."
+    )
+    pipeline_parallel_size: int | None = Field(
+        1, ge=1, description="Pipeline stages per group (may span nodes); null: the planner chooses."
+    )
+    plan: PlanConfig = PlanConfig()
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra vLLM AsyncEngineArgs fields (checked against vLLM at startup).",
@@ -138,8 +162,20 @@ class ServeConfig(_Strict):
         return self.served_model_name or self.model_path.name
 
     @property
+    def tp(self) -> int:
+        if self.tensor_parallel_size is None:
+            raise ConfigError("tensor_parallel_size is not resolved yet (the planner sets it)")
+        return self.tensor_parallel_size
+
+    @property
+    def pp(self) -> int:
+        if self.pipeline_parallel_size is None:
+            raise ConfigError("pipeline_parallel_size is not resolved yet (the planner sets it)")
+        return self.pipeline_parallel_size
+
+    @property
     def slots_per_group(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.tp * self.pp
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> ServeConfig:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import psutil
 import ray
 from ray import serve
 
@@ -21,8 +22,10 @@ from cluster.config import ConfigError, ServeConfig
 from cluster.engine import EngineSpec, unknown_engine_args
 from cluster.group import GroupState, ReplicaGroup
 from cluster.group_api import LEADER_NAMESPACE
-from cluster.layout import ModelShape, check_capacity, check_layout
+from cluster.layout import check_capacity, check_layout
 from cluster.local_ray import LocalCluster, LocalClusterShape
+from cluster.model_spec import ModelSpec, UnsupportedModelError
+from cluster.planner import GIB, ClusterSpec, LinkKind, Workload, choose_for_groups
 
 SERVE_APP_NAME = "flotilla"
 HEARTBEAT_S = 10.0
@@ -35,26 +38,73 @@ def group_name(index: int) -> str:
     return f"group-{index}"
 
 
-def validate(config: ServeConfig) -> ModelShape:
-    """Checks that need no cluster; raises ConfigError naming the broken rule."""
+def validate(config: ServeConfig) -> tuple[ServeConfig, ModelSpec, list[str]]:
+    """Checks that need no cluster; raises ConfigError naming the broken rule.
+
+    Returns the config with TP and PP resolved (by the planner when omitted), the model's
+    spec, and the planner's reasons for its choice (empty when the config fixed TP and PP).
+    """
     try:
-        shape = ModelShape.from_model_dir(config.model_path)
+        spec = ModelSpec.from_path(config.model_path, strict=False)
     except (OSError, KeyError, ValueError) as err:
         raise ConfigError(f"cannot read model {config.model_path}: {err}") from err
-    problems = check_layout(shape, config.tensor_parallel_size, config.pipeline_parallel_size)
+    notes: list[str] = []
+    if config.tensor_parallel_size is None or config.pipeline_parallel_size is None:
+        config, notes = _plan_layout(config)
+    problems = check_layout(spec, config.tp, config.pp)
     local = config.cluster.local
     if config.cluster.address is None and local.slots_per_node is not None:
         problems += check_capacity(
             config.groups * config.slots_per_group,
             local.nodes * local.slots_per_node,
-            f"{config.groups} group(s) × TP={config.tensor_parallel_size} × PP={config.pipeline_parallel_size}",
+            f"{config.groups} group(s) × TP={config.tp} × PP={config.pp}",
         )
     if problems:
         raise ConfigError("invalid layout:\n" + "\n".join(f"  {p}" for p in problems))
     unknown = unknown_engine_args(config.engine_args)
     if unknown:
         raise ConfigError(f"engine_args has fields vLLM does not know: {unknown}")
-    return shape
+    return config, spec, notes
+
+
+def _plan_layout(config: ServeConfig) -> tuple[ServeConfig, list[str]]:
+    """Let the planner pick the omitted TP and/or PP for ``config.groups`` groups."""
+    try:
+        spec = ModelSpec.from_path(config.model_path)
+    except UnsupportedModelError as err:
+        raise ConfigError(f"{err}; set tensor_parallel_size and pipeline_parallel_size yourself") from err
+    cluster = _planning_cluster(config)
+    context = config.plan.context_len or min(spec.max_position_embeddings or 8192, 8192)
+    workload = Workload(context, config.plan.concurrency, config.plan.latency_sensitive)
+    result = choose_for_groups(spec, cluster, workload, config.groups)
+    fits = [
+        e
+        for e in result.ranked
+        if config.tensor_parallel_size in (None, e.layout.tp) and config.pipeline_parallel_size in (None, e.layout.pp)
+    ]
+    if not fits:
+        rejected = "\n".join(f"  {r.layout}: {'; '.join(map(str, r.violations))}" for r in result.rejected)
+        raise ConfigError(f"the planner found no layout for {config.groups} group(s):\n{rejected}")
+    best = fits[0]
+    chosen = config.model_copy(
+        update={"tensor_parallel_size": best.layout.tp, "pipeline_parallel_size": best.layout.pp}
+    )
+    return chosen, [f"planner chose TP={best.layout.tp} PP={best.layout.pp}:", *best.reasons]
+
+
+def _planning_cluster(config: ServeConfig) -> ClusterSpec:
+    plan, local = config.plan, config.cluster.local
+    if config.cluster.address is not None and (plan.nodes is None or plan.accelerators_per_node is None):
+        raise ConfigError("with cluster.address, set plan.nodes and plan.accelerators_per_node (or TP and PP)")
+    nodes = plan.nodes or local.nodes
+    # A local cluster declares slots on demand: by default one per group on every node.
+    per_node = plan.accelerators_per_node or local.slots_per_node or -(-config.groups // nodes)
+    memory = plan.memory_gib
+    if memory is None:
+        if config.cluster.address is not None:
+            raise ConfigError("with cluster.address, set plan.memory_gib (or TP and PP)")
+        memory = psutil.virtual_memory().total / GIB / (nodes * per_node)
+    return ClusterSpec(nodes, per_node, memory, LinkKind(plan.intra_link), LinkKind(plan.inter_link))
 
 
 @dataclass
@@ -85,10 +135,12 @@ class Deployment:
 
 
 async def start(config: ServeConfig, say: Say, verbose: bool = False) -> Deployment:
-    shape = validate(config)
+    config, spec, notes = validate(config)
+    for note in notes:
+        say(note)
     say(
-        f"model {config.model_name} ({shape.architecture}, {shape.num_hidden_layers} layers): "
-        f"{config.groups} group(s) × TP={config.tensor_parallel_size} × PP={config.pipeline_parallel_size}"
+        f"model {config.model_name} ({spec.architecture}, {spec.num_hidden_layers} layers): "
+        f"{config.groups} group(s) × TP={config.tp} × PP={config.pp}"
     )
     deployment = Deployment(config, cluster=_start_ray(config, say, verbose))
     try:
@@ -142,8 +194,8 @@ def _engine_spec(config: ServeConfig, cluster: LocalCluster | None) -> EngineSpe
     return EngineSpec(
         model=str(config.model_path),
         served_model_name=config.model_name,
-        tensor_parallel_size=config.tensor_parallel_size,
-        pipeline_parallel_size=config.pipeline_parallel_size,
+        tensor_parallel_size=config.tp,
+        pipeline_parallel_size=config.pp,
         engine_args=dict(config.engine_args),
         cpu_kv_cache_memory_bytes=config.cpu.kv_cache_memory_bytes,
         cpu_threads_per_worker=threads,

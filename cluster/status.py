@@ -14,6 +14,7 @@ import ray
 
 from cluster.group_api import leader_actor_name
 from cluster.leader import LeaderDescription
+from cluster.text_table import format_table
 
 LEADER_PREFIX = leader_actor_name("")
 DESCRIBE_TIMEOUT_S = 5.0
@@ -139,8 +140,7 @@ def render_table(groups: list[GroupStatus]) -> str:
         for r in g.ranks:
             role = f"rank {r.rank} (PP{r.pp_rank} TP{r.tp_rank})"
             rows.append(("", "", "", role, str(r.bundle), _short(r.node_id)) + _actor_cells(r.actor))
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]]
+    lines = format_table(header, rows)
     lines += [f"{g.name}: {g.error}" for g in groups if g.error]
     return "\n".join(lines)
 

@@ -21,6 +21,8 @@ from cluster.engine import EngineSpec
 from cluster.group import ReplicaGroup
 from cluster.group_api import GenerateRequest, SamplingSpec
 from cluster.local_ray import LocalCluster, LocalClusterShape
+from cluster.model_spec import ModelSpec
+from cluster.planner import kv_capacity_tokens
 from router.group_channel import GroupChannel
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
@@ -129,3 +131,17 @@ def test_moe_model_serves_with_tp2(runs) -> None:
     assert len(run.workers) == 2
     assert all(len(tokens) == NEW_TOKENS for tokens in run.outputs)
     assert run.outputs != runs["tp1"].outputs  # different weights, different text
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2", "moe_tp2"])
+def test_planner_kv_capacity_is_within_10_percent_of_what_vllm_reports(runs, tiny_llama, tiny_mixtral, layout) -> None:
+    run = runs[layout]
+    spec = ModelSpec.from_path(tiny_mixtral if layout.startswith("moe") else tiny_llama)
+    engine = run.group.spec
+    info = run.group.info
+    assert info is not None and info.num_kv_blocks > 0
+    reported = info.num_kv_blocks * info.block_size
+    estimated = kv_capacity_tokens(
+        spec, engine.tensor_parallel_size, engine.pipeline_parallel_size, engine.cpu_kv_cache_memory_bytes
+    )
+    assert abs(estimated - reported) <= 0.10 * reported, (estimated, reported)

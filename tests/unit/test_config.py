@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,35 @@ def test_missing_model_is_a_config_error(tmp_path) -> None:
     config = ServeConfig.from_yaml(write(tmp_path, f"model: {tmp_path / 'nope'}\n"))
     with pytest.raises(ConfigError, match="make-model"):
         validate(config)
+
+
+def test_omitted_tp_and_pp_are_chosen_by_the_planner(tmp_path, tiny_llama) -> None:
+    fields = "groups: 2\ntensor_parallel_size: null\npipeline_parallel_size: null"
+    config, _, notes = validate(ServeConfig.from_yaml(write(tmp_path, f"model: {tiny_llama}\n{fields}\n")))
+    assert (config.tp, config.pp) == (1, 1)  # fits one slot: plain DP replicas
+    assert notes[0] == "planner chose TP=1 PP=1:"
+
+
+def test_latency_sensitive_planning_uses_tp_inside_the_node(tmp_path) -> None:
+    model = tmp_path / "llama-3-70b"
+    model.mkdir()
+    shutil.copy(Path(__file__).parent / "model_configs" / "llama-3-70b.json", model / "config.json")
+    fields = (
+        "tensor_parallel_size: null\npipeline_parallel_size: null\n"
+        "plan: {accelerators_per_node: 8, memory_gib: 80, latency_sensitive: true, concurrency: 8}"
+    )
+    config, _, notes = validate(ServeConfig.from_yaml(write(tmp_path, f"model: {model}\n{fields}\n")))
+    assert (config.tp, config.pp) == (8, 1)
+    assert any("TP=8 over nvlink" in note for note in notes)
+
+
+def test_a_fixed_tp_constrains_the_planner(tmp_path, tiny_llama) -> None:
+    fields = "tensor_parallel_size: 2\npipeline_parallel_size: null\nplan: {accelerators_per_node: 2, memory_gib: 4}"
+    config, _, _ = validate(ServeConfig.from_yaml(write(tmp_path, f"model: {tiny_llama}\n{fields}\n")))
+    assert (config.tp, config.pp) == (2, 1)
+
+
+def test_planning_needs_hardware_facts_for_an_existing_cluster(tmp_path, tiny_llama) -> None:
+    fields = "tensor_parallel_size: null\ncluster: {address: auto}"
+    with pytest.raises(ConfigError, match="plan.nodes"):
+        validate(ServeConfig.from_yaml(write(tmp_path, f"model: {tiny_llama}\n{fields}\n")))
