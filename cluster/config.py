@@ -20,6 +20,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from router.settings import RoutingConfig
+
 # Engine arguments that Flotilla sets itself from the fields above.
 RESERVED_ENGINE_ARGS = frozenset(
     {
@@ -138,12 +140,16 @@ class ServeConfig(_Strict):
         description="Extra vLLM AsyncEngineArgs fields (checked against vLLM at startup).",
     )
     cpu: CpuEngineDefaults = CpuEngineDefaults()
-    routing_policy: str = Field("round_robin", description="Routing policy name (see router/policies).")
+    routing: RoutingConfig = RoutingConfig()
     ingress: IngressConfig = IngressConfig()
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     cluster: ClusterConfig = ClusterConfig()
     startup_timeout_s: float = Field(900.0, gt=0, description="Give up if a group is not ready by then.")
+    admin_token_env: str = Field(
+        "FLOTILLA_ADMIN_TOKEN",
+        description="Environment variable holding the bearer token of /admin/*; unset: admin endpoints are off.",
+    )
 
     @field_validator("engine_args")
     @classmethod

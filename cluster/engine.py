@@ -32,6 +32,8 @@ class EngineSpec:
     engine_args: dict[str, Any] = field(default_factory=dict)
     cpu_kv_cache_memory_bytes: int = 512 << 20
     cpu_threads_per_worker: int | None = None
+    kv_events: bool = True
+    """Publish vLLM's KV-cache events (ZMQ) so routers can track this engine's cache exactly."""
 
 
 def unknown_engine_args(engine_args: dict[str, Any]) -> list[str]:
@@ -49,9 +51,25 @@ def running_on_flotilla_cpu() -> bool:
     return isinstance(current_platform, CpuRayPlatform)
 
 
-def engine_kwargs(spec: EngineSpec, on_cpu: bool) -> dict[str, Any]:
+def kv_events_config(host: str, port: int, replay_port: int) -> dict[str, Any]:
+    """vLLM's ZMQ KV-event publisher on ``host``, with a replay socket for late subscribers."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://{host}:{port}",
+        "replay_endpoint": f"tcp://{host}:{replay_port}",
+        "topic": KV_EVENTS_TOPIC,
+    }
+
+
+KV_EVENTS_TOPIC = "kv"
+
+
+def engine_kwargs(spec: EngineSpec, on_cpu: bool, kv_events: dict[str, Any] | None = None) -> dict[str, Any]:
     """AsyncEngineArgs keyword arguments: Flotilla's defaults under the user's engine_args."""
     defaults: dict[str, Any] = {"enable_prefix_caching": True, "disable_log_stats": False}
+    if kv_events is not None:
+        defaults["kv_events_config"] = kv_events
     if on_cpu:
         defaults |= {
             "dtype": "float32",

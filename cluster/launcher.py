@@ -199,6 +199,7 @@ def _engine_spec(config: ServeConfig, cluster: LocalCluster | None) -> EngineSpe
         engine_args=dict(config.engine_args),
         cpu_kv_cache_memory_bytes=config.cpu.kv_cache_memory_bytes,
         cpu_threads_per_worker=threads,
+        kv_events=config.routing.kv_events,
     )
 
 
@@ -242,7 +243,8 @@ def _describe_step(group: ReplicaGroup) -> str:
 
 
 def _deploy_ingress(deployment: Deployment) -> None:
-    from router.ingress import IngressSettings, OpenAIIngress
+    from router.ingress import OpenAIIngress
+    from router.settings import IngressSettings
 
     config = deployment.config
     infos = [g.info for g in deployment.groups if g.info is not None]
@@ -251,7 +253,8 @@ def _deploy_ingress(deployment: Deployment) -> None:
         model_path=str(config.model_path),
         max_model_len=min(info.max_model_len for info in infos),
         group_names=[g.name for g in deployment.groups],
-        routing_policy=config.routing_policy,
+        routing=config.routing,
+        admin_token=os.environ.get(config.admin_token_env) or None,
         leader_namespace=LEADER_NAMESPACE,
     )
     serve.start(http_options={"host": config.host, "port": config.port}, detached=False)

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from cluster.engine import EngineSpec, apply_process_env, engine_kwargs, running_on_flotilla_cpu, worker_env
+from cluster.engine import (
+    EngineSpec,
+    apply_process_env,
+    engine_kwargs,
+    kv_events_config,
+    running_on_flotilla_cpu,
+    worker_env,
+)
 from cluster.group_api import (
     EngineErrorKind,
     GenerateChunk,
@@ -46,6 +53,18 @@ class EngineInfo:
     num_kv_blocks: int
     vllm_instance_id: str
     startup_s: float
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """The engine's scheduler state after its latest step (vLLM's own scheduler stats)."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    vllm_instance_id: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +92,7 @@ class GroupLeader:
         self.info: EngineInfo | None = None
         self.vllm_instance_id: str | None = None
         self._channels: dict[str, OutputChannel] = {}
+        self._scheduler_stats = SchedulerStatsRecorder()
 
     def describe(self) -> LeaderDescription:
         return LeaderDescription(
@@ -112,7 +132,11 @@ class GroupLeader:
         os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
         os.environ["VLLM_RAY_BUNDLE_INDICES"] = self.bundle_indices
 
-        args = AsyncEngineArgs(**engine_kwargs(self.spec, on_cpu))
+        host = ray.util.get_node_ip_address()
+        events = None
+        if self.spec.kv_events:
+            events = kv_events_config(host, *_free_ports(host, 2))
+        args = AsyncEngineArgs(**engine_kwargs(self.spec, on_cpu, events))
         vllm_config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         vllm_config.parallel_config.placement_group = self.placement_group
         node_resources = _node_resources(ray.get_runtime_context().get_node_id())
@@ -120,7 +144,11 @@ class GroupLeader:
         if env:
             vllm_config.parallel_config.ray_runtime_env = RuntimeEnv(env_vars=env)
         self.vllm_instance_id = vllm_config.instance_id
-        self.engine = AsyncLLM.from_vllm_config(vllm_config, usage_context=UsageContext.OPENAI_API_SERVER)
+        self.engine = AsyncLLM.from_vllm_config(
+            vllm_config,
+            usage_context=UsageContext.OPENAI_API_SERVER,
+            stat_loggers=[self._scheduler_stats.logger_factory],
+        )
         cache = vllm_config.cache_config
         return EngineInfo(
             max_model_len=vllm_config.model_config.max_model_len,
@@ -128,6 +156,8 @@ class GroupLeader:
             num_kv_blocks=cache.num_gpu_blocks or 0,
             vllm_instance_id=vllm_config.instance_id,
             startup_s=time.monotonic() - started,
+            kv_events_endpoint=events["endpoint"] if events else None,
+            kv_events_replay_endpoint=events["replay_endpoint"] if events else None,
         )
 
     async def submit(self, channel_id: str, address: str, request: GenerateRequest) -> None:
@@ -198,6 +228,21 @@ class GroupLeader:
             raise GroupEngineError(EngineErrorKind.ENGINE_DEAD, f"group {self.group_name} has no engine")
         await self.engine.check_health()
 
+    def load(self) -> LoadReport:
+        stats = self._scheduler_stats.latest
+        return LoadReport(
+            running=stats.num_running_reqs if stats else 0,
+            waiting=stats.num_waiting_reqs if stats else 0,
+            kv_usage=stats.kv_cache_usage if stats else 0.0,
+            vllm_instance_id=self.vllm_instance_id if self.phase is LeaderPhase.READY else None,
+        )
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (benchmarks start each arm cold); False if requests hold blocks."""
+        if self.engine is None:
+            return False
+        return bool(await self.engine.reset_prefix_cache())
+
     def engine_metrics(self) -> bytes:
         """vLLM's own Prometheus metrics of this engine (``vllm:*``), in text exposition format."""
         from prometheus_client import REGISTRY, generate_latest
@@ -233,6 +278,47 @@ def _sampling_params(spec: SamplingSpec, stream: bool):  # -> vllm.SamplingParam
         skip_special_tokens=spec.skip_special_tokens,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
+
+
+class SchedulerStatsRecorder:
+    """Keeps the engine's latest scheduler stats; registered as a vLLM stat logger."""
+
+    def __init__(self) -> None:
+        self.latest: Any = None
+
+    def logger_factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        recorder = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(
+                self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+            ) -> None:
+                if scheduler_stats is not None:
+                    recorder.latest = scheduler_stats
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger(vllm_config, engine_index)
+
+
+def _free_ports(host: str, count: int) -> list[int]:
+    """Ports free on ``host`` right now (the engine binds them moments later)."""
+    import socket
+
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def _node_resources(node_id: str) -> dict[str, float]:

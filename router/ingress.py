@@ -12,10 +12,8 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
-import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -25,17 +23,14 @@ from ray.exceptions import RayActorError, RayTaskError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.group_api import (
-    LEADER_NAMESPACE,
     EngineErrorKind,
     GenerateChunk,
     GroupEngineError,
-    leader_actor_name,
 )
 from router.engine_metrics import merge_group_metrics
-from router.group_channel import GroupChannel
+from router.group_directory import GroupDirectory, Member
 from router.metrics import IngressMetrics
 from router.openai_adapter import PreparedRequest, StreamTotals, prepare_chat, prepare_completion
-from router.policies import GroupView, RoutingRequest, make_policy
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,6 +39,8 @@ from router.protocol import (
     OpenAIError,
     bad_request,
 )
+from router.routing import Decision, NoRoutableGroup
+from router.settings import IngressSettings
 from router.tokenization import PromptTokenizer
 
 logger = logging.getLogger(__name__)
@@ -53,21 +50,13 @@ NO_GROUP_RETRY_AFTER_S = 5
 ENGINE_METRICS_TIMEOUT_S = 2.0
 
 
-class IngressSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class RoutingUpdate(BaseModel):
+    """Body of ``PUT /admin/routing``."""
 
-    model_name: str
-    model_path: str
-    max_model_len: int
-    group_names: list[str]
-    routing_policy: str = "round_robin"
-    leader_namespace: str = LEADER_NAMESPACE
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-
-@dataclass(slots=True)
-class GroupEndpoint:
-    view: GroupView
-    channel: GroupChannel
+    policy: str
+    params: dict[str, Any] = {}
 
 
 app = FastAPI(title="Flotilla", docs_url=None, redoc_url=None)
@@ -146,34 +135,48 @@ class OpenAIIngress:
     def __init__(self, settings: IngressSettings) -> None:
         self.settings = settings
         self.tokenizer = PromptTokenizer(settings.model_path)
-        self.policy = make_policy(settings.routing_policy)
         self.stats = IngressMetrics()
-        self.groups = {
-            name: GroupEndpoint(
-                GroupView(name),
-                GroupChannel(
-                    ray.get_actor(leader_actor_name(name), namespace=settings.leader_namespace),
-                    host=ray.util.get_node_ip_address(),
-                ),
-            )
-            for name in settings.group_names
-        }
+        self.directory = GroupDirectory(settings)
 
     @app.get("/health")
     async def health(self) -> Response:
-        if not self.groups:
+        if not self.directory.members:
             raise OpenAIError(503, "no replica group is ready", type="service_unavailable")
-        return JSONResponse({"status": "ok", "groups": sorted(self.groups)})
+        return JSONResponse({"status": "ok", "groups": sorted(self.directory.members)})
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
+        self.directory.ensure_started()
+        self.stats.observe_groups(self.directory.router.groups.values())
         engines = await self._engine_metrics()
         return Response(self.stats.render() + merge_group_metrics(engines), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/admin/reset_prefix_cache")
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse({"reset": await self.directory.reset_prefix_caches()})
+
+    @app.put("/admin/routing")
+    async def set_routing(self, request: Request) -> Response:
+        self._authorize(request)
+        body = await parse_body(request, RoutingUpdate)
+        try:
+            self.directory.set_policy(body.policy, body.params)
+        except ValueError as err:
+            raise bad_request(str(err), "policy") from None
+        return JSONResponse({"policy": body.policy, "params": body.params})
+
+    def _authorize(self, request: Request) -> None:
+        token = self.settings.admin_token
+        if token is None:
+            raise OpenAIError(404, "Not Found", code="404")
+        if request.headers.get("authorization") != f"Bearer {token}":
+            raise OpenAIError(401, "admin endpoints need the admin bearer token", type="authentication_error")
+
     async def _engine_metrics(self) -> dict[str, str]:
         """Each group's vLLM metrics; a group that does not answer in time is left out of this scrape."""
-        names = list(self.groups)
-        calls = [self.groups[name].channel.leader.engine_metrics.remote() for name in names]
+        names = list(self.directory.members)
+        calls = [self.directory.members[name].leader.engine_metrics.remote() for name in names]
         results = await asyncio.gather(
             *(asyncio.wait_for(asyncio.wrap_future(call.future()), ENGINE_METRICS_TIMEOUT_S) for call in calls),
             return_exceptions=True,
@@ -208,7 +211,7 @@ class OpenAIIngress:
                     404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found"
                 )
             prepared = prepare(body, self.tokenizer, self.settings.max_model_len, self.settings.model_name)
-            chunks = self._generate(self._route(prepared), prepared)
+            chunks = self._generate(prepared)
             first = await anext(chunks)  # errors before the first token still get a proper status code
         except OpenAIError as err:
             self.stats.requests.labels(endpoint, str(err.status_code)).inc()
@@ -235,39 +238,37 @@ class OpenAIIngress:
         body_out = prepared.formatter.full("".join(parts), last.finish_reason, totals)
         return Response(body_out.model_dump_json(), media_type="application/json")
 
-    def _route(self, prepared: PreparedRequest) -> GroupEndpoint:
-        candidates = [endpoint.view for endpoint in self.groups.values()]
-        if not candidates:
+    def _route(self, prepared: PreparedRequest) -> tuple[Decision, Member]:
+        request = prepared.generate
+        self.directory.ensure_started()
+        try:
+            decision, member = self.directory.route(request.request_id, request.prompt_token_ids)
+        except NoRoutableGroup as err:
             raise OpenAIError(
                 503,
-                "no replica group is ready",
+                str(err),
                 type="service_unavailable",
                 code="no_ready_group",
                 headers={"Retry-After": str(NO_GROUP_RETRY_AFTER_S)},
-            )
-        routing_request = RoutingRequest(prepared.generate.request_id, prepared.generate.prompt_token_ids)
-        chosen = self.policy.choose(routing_request, candidates)
-        self.stats.routing_decisions.labels(self.policy.name, chosen.name).inc()
-        return self.groups[chosen.name]
+            ) from None
+        self.stats.record_decision(self.directory.router.policy.name, decision)
+        return decision, member
 
-    async def _generate(self, group: GroupEndpoint, prepared: PreparedRequest) -> AsyncGenerator[GenerateChunk, None]:
+    async def _generate(self, prepared: PreparedRequest) -> AsyncGenerator[GenerateChunk, None]:
+        decision, member = self._route(prepared)
         request = prepared.generate
-        routing_request = RoutingRequest(request.request_id, request.prompt_token_ids)
-        name = group.view.name
-        group.view.in_flight += 1
-        self.stats.group_in_flight.labels(name).set(group.view.in_flight)
-        self.policy.on_routed(routing_request, group.view)
+        output: list[int] = []
         try:
-            async for chunk in group.channel.generate(request):
-                self.stats.generation_tokens.labels(name).inc(len(chunk.token_ids))
+            async for chunk in member.channel.generate(request):
+                if not output and chunk.token_ids:
+                    self.directory.first_token(decision)
+                output += chunk.token_ids
                 yield chunk
         except (RayTaskError, RayActorError, GroupEngineError) as err:
-            raise _engine_error(err, name) from None
+            raise _engine_error(err, member.name) from None
         finally:
-            group.view.in_flight -= 1
-            self.stats.group_in_flight.labels(name).set(group.view.in_flight)
-            self.stats.prompt_tokens.labels(name).inc(len(request.prompt_token_ids))
-            self.policy.on_finished(routing_request, group.view)
+            self.directory.finished(decision, output)
+            self.stats.record_finished(member.name, len(request.prompt_token_ids), len(output))
 
     async def _sse(
         self,

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from router.policies import GroupView
+from router.routing import Decision
+
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+DECISION_BUCKETS_S = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3)
+RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0)
 
 
 class IngressMetrics:
@@ -48,12 +55,58 @@ class IngressMetrics:
             ["group"],
             registry=self.registry,
         )
+        self.decision_latency = Histogram(
+            "flotilla_routing_decision_seconds",
+            "Time to pick a group: block keys, prefix match, policy.",
+            ["policy"],
+            buckets=DECISION_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.matched_ratio = Histogram(
+            "flotilla_routing_matched_block_ratio",
+            "Share of the prompt's full blocks the chosen group holds (by the router's index).",
+            ["policy"],
+            buckets=RATIO_BUCKETS,
+            registry=self.registry,
+        )
+        self.group_load = Gauge(
+            "flotilla_group_load",
+            "Per-group load as routing sees it: in_flight and pending_prefill_tokens (this ingress), "
+            "running, waiting and kv_usage (the engine).",
+            ["group", "signal"],
+            registry=self.registry,
+        )
         self.aborted = Counter(
             "flotilla_aborted_requests",
             "Requests aborted because the client went away.",
             ["endpoint"],
             registry=self.registry,
         )
+
+    def record_decision(self, policy: str, decision: Decision) -> None:
+        group = decision.group.name
+        self.routing_decisions.labels(policy, group).inc()
+        self.decision_latency.labels(policy).observe(decision.decision_s)
+        blocks = len(decision.request.block_keys)
+        if blocks:
+            self.matched_ratio.labels(policy).observe(decision.matched_blocks / blocks)
+        self.group_in_flight.labels(group).set(decision.group.in_flight)
+
+    def record_finished(self, group: str, prompt_tokens: int, generated_tokens: int) -> None:
+        self.prompt_tokens.labels(group).inc(prompt_tokens)
+        self.generation_tokens.labels(group).inc(generated_tokens)
+
+    def observe_groups(self, groups: Iterable[GroupView]) -> None:
+        for view in groups:
+            self.group_in_flight.labels(view.name).set(view.in_flight)
+            for signal, value in (
+                ("in_flight", view.in_flight),
+                ("pending_prefill_tokens", view.pending_prefill_tokens),
+                ("running", view.engine_running),
+                ("waiting", view.engine_waiting),
+                ("kv_usage", view.kv_usage),
+            ):
+                self.group_load.labels(view.name, signal).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

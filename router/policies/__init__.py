@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
-from router.policies.base import GroupView, RoutingPolicy, RoutingRequest
+from typing import Any
+
+from pydantic import ValidationError
+
+from router.policies.base import GroupView, PolicyParams, RoutingPolicy, RoutingRequest
+from router.policies.cache_aware import CacheAwarePolicy
+from router.policies.least_loaded import LeastLoadedPolicy
+from router.policies.power_of_two import PowerOfTwoPolicy
+from router.policies.prefix_only import PrefixOnlyPolicy
 from router.policies.round_robin import RoundRobinPolicy
 
-POLICIES: dict[str, type[RoutingPolicy]] = {policy.name: policy for policy in (RoundRobinPolicy,)}
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    policy.name: policy
+    for policy in (CacheAwarePolicy, RoundRobinPolicy, LeastLoadedPolicy, PowerOfTwoPolicy, PrefixOnlyPolicy)
+}
+DEFAULT_POLICY = CacheAwarePolicy.name
 
 
-def make_policy(name: str) -> RoutingPolicy:
+def make_policy(name: str, params: dict[str, Any] | None = None) -> RoutingPolicy:
+    """The policy called ``name`` with ``params``; unknown names and parameters are errors."""
     try:
-        return POLICIES[name]()
+        policy = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    try:
+        return policy(policy.Params.model_validate(params or {}))
+    except ValidationError as err:
+        raise ValueError(f"invalid parameters for routing policy {name!r}: {err}") from None
 
 
-__all__ = ["POLICIES", "GroupView", "RoutingPolicy", "RoutingRequest", "make_policy"]
+__all__ = ["DEFAULT_POLICY", "POLICIES", "GroupView", "PolicyParams", "RoutingPolicy", "RoutingRequest", "make_policy"]

@@ -163,12 +163,15 @@ def test_both_groups_receive_traffic(server: Server, client: openai.OpenAI) -> N
     for i in range(4):
         client.completions.create(model=MODEL, prompt=f"request {i}", max_tokens=4, extra_body={"ignore_eos": True})
     after = httpx.get(f"{server.url}/metrics").text
+    served = {
+        group: metric(after, "flotilla_generation_tokens_total", group=group)
+        - metric(before, "flotilla_generation_tokens_total", group=group)
+        for group in GROUPS
+    }
+    assert sum(served.values()) == 16
+    assert all(tokens > 0 for tokens in served.values()), served  # distinct prompts on idle groups spread
     for group in GROUPS:
-        served = metric(after, "flotilla_generation_tokens_total", group=group) - metric(
-            before, "flotilla_generation_tokens_total", group=group
-        )
-        assert served == 8, f"{group} generated {served} tokens"
-        assert metric(after, "flotilla_routing_decisions_total", policy="round_robin", group=group) >= 2
+        assert metric(after, "flotilla_routing_decisions_total", policy="cache_aware", group=group) >= 1
 
 
 def test_health_and_metrics(server: Server) -> None:

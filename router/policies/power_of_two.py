@@ -1,0 +1,30 @@
+"""Power of two choices: sample two groups at random, take the less loaded (Ray Serve's default)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from pydantic import Field
+
+from router.policies.base import GroupView, PolicyParams, RoutingPolicy, RoutingRequest
+
+
+class PowerOfTwoParams(PolicyParams):
+    seed: int = Field(0, description="Seed of the sampler, so runs are repeatable.")
+
+
+class PowerOfTwoPolicy(RoutingPolicy):
+    name = "power_of_two"
+    Params = PowerOfTwoParams
+
+    def __init__(self, params: PowerOfTwoParams | None = None) -> None:
+        super().__init__(params)
+        assert isinstance(self.params, PowerOfTwoParams)
+        self._rng = random.Random(self.params.seed)
+
+    def choose(self, request: RoutingRequest, groups: Sequence[GroupView]) -> GroupView:
+        if len(groups) == 1:
+            return groups[0]
+        first, second = self._rng.sample(list(groups), 2)
+        return first if first.outstanding <= second.outstanding else second
