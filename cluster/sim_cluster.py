@@ -109,12 +109,13 @@ class SimCluster:
             engine = self.engines[str(event.payload)]
             self._busy.discard(engine.name)
             finished_before = len(engine.finished)
-            first_tokens = [r for r in engine.running if r.first_token_s is None]
             duration = engine.step(now)
-            for request in first_tokens:
-                if request.first_token_s is not None:
-                    self.router.first_token(decisions[request.request_id])
-            for request in engine.finished[finished_before:]:
+            done = engine.finished[finished_before:]
+            for request in [*engine.running, *done]:
+                decision = decisions.get(request.request_id)
+                if decision is not None and request.first_token_s is not None and not decision.first_token_seen:
+                    self.router.first_token(decision)
+            for request in done:
                 self.router.finished(decisions.pop(request.request_id), request.output)
                 self._account(result, request)
                 session, turn_index = active.pop(request.request_id)

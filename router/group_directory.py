@@ -41,16 +41,11 @@ class Member:
 
 
 class GroupDirectory:
-    def __init__(self, settings: IngressSettings) -> None:
+    def __init__(
+        self, settings: IngressSettings, leaders: dict[str, Any], descriptions: dict[str, Any], host: str
+    ) -> None:
         self.settings = settings
         self.routing = settings.routing
-        host = ray.util.get_node_ip_address()
-        leaders = {
-            name: ray.get_actor(leader_actor_name(name), namespace=settings.leader_namespace)
-            for name in settings.group_names
-        }
-        described: list[Any] = ray.get([leader.describe.remote() for leader in leaders.values()])
-        descriptions: dict[str, Any] = dict(zip(leaders, described, strict=True))
         block_sizes = {d.info.block_size for d in descriptions.values()}
         if len(block_sizes) != 1:
             raise RuntimeError(f"groups disagree on the KV block size: {block_sizes}")
@@ -64,6 +59,16 @@ class GroupDirectory:
             )
             self.router.add_group(name, description.info.num_kv_blocks)
         self._poller: asyncio.Task[None] | None = None
+
+    @classmethod
+    def connect(cls, settings: IngressSettings) -> GroupDirectory:
+        """Find every group's leader actor by name and read its engine facts."""
+        leaders = {
+            name: ray.get_actor(leader_actor_name(name), namespace=settings.leader_namespace)
+            for name in settings.group_names
+        }
+        described: list[Any] = ray.get([leader.describe.remote() for leader in leaders.values()])
+        return cls(settings, leaders, dict(zip(leaders, described, strict=True)), ray.util.get_node_ip_address())
 
     # --- lifecycle -------------------------------------------------------------------------------
     def ensure_started(self) -> None:

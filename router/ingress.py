@@ -136,7 +136,7 @@ class OpenAIIngress:
         self.settings = settings
         self.tokenizer = PromptTokenizer(settings.model_path)
         self.stats = IngressMetrics()
-        self.directory = GroupDirectory(settings)
+        self.directory = GroupDirectory.connect(settings)
 
     @app.get("/health")
     async def health(self) -> Response:

@@ -1,0 +1,215 @@
+"""Routing decisions: policies over the prefix index, with the simulated engine for whole workloads."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from bench.workloads import hot_prefix, optimal_hit_rate, shared_prefix
+from cluster.sim_cluster import Session, SimCluster, Turn
+from cluster.sim_engine import SimEngineConfig
+from router.block_keys import block_keys
+from router.group_directory import GroupDirectory
+from router.policies import make_policy
+from router.routing import EngineLoad, Router
+from router.settings import IngressSettings, RoutingConfig
+
+BLOCK = 128
+VOCAB = list(range(100, 1000))
+PROMPT = [(11 * i) % 900 + 100 for i in range(4 * BLOCK + 40)]
+
+
+def router(policy: str = "cache_aware", groups: tuple[str, ...] = ("a", "b", "c", "d"), **params: Any) -> Router:
+    r = Router(make_policy(policy, params), BLOCK)
+    for name in groups:
+        r.add_group(name, 1000)
+    return r
+
+
+def serve(r: Router, prompt: list[int], request_id: str = "x") -> str:
+    """Route, then let the request finish as an engine would (first token, then done)."""
+    decision = r.route(request_id, prompt)
+    r.first_token(decision)
+    r.finished(decision, [])
+    return decision.group.name
+
+
+@pytest.mark.parametrize("precise", [False, True], ids=["approximate", "precise"])
+def test_a_repeated_prefix_goes_to_the_group_holding_it(precise: bool) -> None:
+    """Sequential requests: every repeat of a prefix is a hit, so the engine hit rate is the optimum."""
+    sessions = shared_prefix(VOCAB, groups=4, prompts_per_group=6, system_len=1024, question_len=64, output_len=8)
+    r = Router(make_policy("cache_aware"), BLOCK)
+    result = SimCluster(r, groups=4, config=SimEngineConfig(num_blocks=512), precise=precise).run(sessions, 1)
+    assert result.hit_rate == pytest.approx(optimal_hit_rate(sessions, BLOCK))
+    assert result.matched_blocks == result.best_matched_blocks  # always the group with the longest match
+
+
+def test_without_affinity_the_same_workload_misses() -> None:
+    sessions = shared_prefix(VOCAB, groups=4, prompts_per_group=6, system_len=1024, question_len=64, output_len=8)
+    r = Router(make_policy("round_robin"), BLOCK)
+    result = SimCluster(r, groups=4, config=SimEngineConfig(num_blocks=512), precise=True).run(sessions, 1)
+    assert result.hit_rate < 0.8 * optimal_hit_rate(sessions, BLOCK)
+
+
+def test_a_saturated_group_stops_receiving_affinity_traffic() -> None:
+    r = router(groups=("a", "b"))
+    holder = serve(r, PROMPT)
+    other = "b" if holder == "a" else "a"
+    assert serve(r, PROMPT, "again") == holder
+    r.update_engine_load(holder, EngineLoad(running=20, waiting=0, kv_usage=0.3))  # > 8 + 1.5 × 0
+    assert serve(r, PROMPT, "busy") == other
+    r.update_engine_load(holder, EngineLoad(running=0, waiting=0, kv_usage=0.97))  # KV nearly full
+    r.update_engine_load(other, EngineLoad(running=0, waiting=0, kv_usage=0.1))
+    r.index.clear(other)
+    assert serve(r, PROMPT, "kv-full") == other
+
+
+def test_misses_go_to_the_least_loaded_group_not_the_emptiest_cache() -> None:
+    r = router(groups=("a", "b"))
+    r.index.record_stored("a", block_keys(PROMPT, BLOCK))  # a holds a lot, b nothing
+    r.update_engine_load("b", EngineLoad(running=3, waiting=0, kv_usage=0.2))
+    fresh = [p + 1 for p in PROMPT]
+    assert serve(r, fresh) == "a"
+
+
+def warm_then_hot(prompts: int) -> list[Session]:
+    """One request warms a long prefix, then many share it."""
+    sessions = hot_prefix(VOCAB, prompts + 1, prefix_len=1024, suffix_len=64, output_len=64)
+    first = sessions[0].turns[0]
+    return [Session([Turn(first.prompt, first.output)] + [s.turns[0] for s in sessions[1:2]])] + sessions[2:]
+
+
+@pytest.mark.parametrize(("policy", "spreads"), [("cache_aware", True), ("prefix_only", False)])
+def test_a_hot_prefix_spreads_beyond_its_first_holder(policy: str, spreads: bool) -> None:
+    r = Router(make_policy(policy), BLOCK)
+    cluster = SimCluster(r, groups=4, config=SimEngineConfig(num_blocks=1024), precise=True)
+    warm = hot_prefix(VOCAB, 1, 1024, 64, 8, seed=1)
+    cluster.run(warm, 1)  # one group holds the prefix now
+    load = cluster.run(hot_prefix(VOCAB, 64, 1024, 64, 64, seed=1)[:64], 16)
+    busiest = max(load.requests_per_group.values()) / sum(load.requests_per_group.values())
+    if spreads:
+        assert busiest <= 0.5, load.requests_per_group
+    else:
+        assert busiest >= 0.9, load.requests_per_group
+
+
+def test_a_restarted_groups_cached_blocks_are_forgotten() -> None:
+    r = router(groups=("a", "b"))
+    holder = serve(r, PROMPT)
+    r.reset_group(holder)
+    decision = r.route("after-restart", PROMPT)
+    assert decision.best_matched_blocks == 0
+
+
+def test_two_ingress_replicas_fed_the_same_events_agree() -> None:
+    """Replica 1 routed the prefix; replica 2 never saw it but follows the same engine events."""
+    first, second = router(), router()
+    holder = serve(first, PROMPT)
+    for replica in (first, second):
+        replica.index.set_precise(holder, True)
+        replica.index.record_stored(holder, block_keys(PROMPT, BLOCK))
+    assert serve(second, PROMPT, "on-replica-2") == holder
+    third = router()  # approximate only: it cannot know
+    assert third.route("on-replica-3", PROMPT).best_matched_blocks == 0
+
+
+@pytest.mark.parametrize(
+    ("policy", "loads", "expected"),
+    [
+        ("least_loaded", {"a": 3, "b": 1, "c": 2, "d": 5}, "b"),
+        ("round_robin", {"a": 9, "b": 9, "c": 9, "d": 9}, "a"),
+        ("prefix_only", {"a": 0, "b": 50, "c": 0, "d": 0}, "b"),  # b holds the prefix; load ignored
+        ("cache_aware", {"a": 0, "b": 50, "c": 0, "d": 0}, "a"),  # b is saturated; a, c, d tie: a first
+    ],
+)
+def test_policy_choices(policy: str, loads: dict[str, int], expected: str) -> None:
+    r = router(policy)
+    r.index.record_stored("b", block_keys(PROMPT, BLOCK))
+    for name, running in loads.items():
+        r.update_engine_load(name, EngineLoad(running, 0, 0.1))
+    assert r.route("x", PROMPT).group.name == expected
+
+
+def test_power_of_two_is_seeded_and_picks_the_less_loaded_of_its_two() -> None:
+    picks = []
+    for _ in range(2):
+        r = router("power_of_two", seed=3)
+        for name, running in {"a": 4, "b": 0, "c": 2, "d": 6}.items():
+            r.update_engine_load(name, EngineLoad(running, 0, 0.0))
+        picks.append([r.route(str(i), PROMPT).group.name for i in range(8)])
+    assert picks[0] == picks[1]
+    assert "d" not in picks[0]  # d is the most loaded: it never wins a pair
+
+
+def test_unknown_policy_parameters_are_errors() -> None:
+    with pytest.raises(ValueError, match="decode_wieght"):
+        make_policy("cache_aware", {"decode_wieght": 1})
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        RoutingConfig(policy="cache_awre")
+
+
+# --- the ingress's group directory: a restart detected from the engine's load reports -------------
+
+
+@dataclass
+class Info:
+    block_size: int = BLOCK
+    num_kv_blocks: int = 1000
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+
+
+@dataclass
+class Description:
+    info: Info
+    vllm_instance_id: str
+
+
+@dataclass
+class Report:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    vllm_instance_id: str = "engine-1"
+
+
+class Method:
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        async def call() -> Any:
+            return self.fn(*args)
+
+        return call()
+
+
+class FakeLeader:
+    def __init__(self) -> None:
+        self.instance = "engine-1"
+        self.load = Method(lambda: Report(vllm_instance_id=self.instance))
+        self.describe = Method(lambda: Description(Info(), self.instance))
+
+
+def test_directory_forgets_a_group_whose_engine_was_restarted() -> None:
+    leaders = {"g": FakeLeader(), "h": FakeLeader()}
+    settings = IngressSettings(model_name="m", model_path="/m", max_model_len=4096, group_names=["g", "h"],
+                               routing=RoutingConfig(kv_events=False))
+    directory = GroupDirectory(settings, leaders, {n: Description(Info(), "engine-1") for n in leaders}, "127.0.0.1")
+    decision, member = directory.route("x", PROMPT)
+    directory.first_token(decision)
+    assert directory.router.route("y", PROMPT).best_matched_blocks == 4
+
+    async def poll(restart: bool) -> None:
+        if restart:
+            leaders[member.name].instance = "engine-2"
+        await directory._poll(directory.members[member.name])
+
+    asyncio.run(poll(restart=False))
+    assert directory.router.route("z", PROMPT).best_matched_blocks == 4
+    asyncio.run(poll(restart=True))
+    assert directory.members[member.name].instance_id == "engine-2"
+    assert directory.router.route("w", PROMPT).best_matched_blocks == 0
