@@ -299,14 +299,14 @@ def markdown(rows: list[dict], args: argparse.Namespace, command: str) -> str:
     return "\n".join(lines)
 
 
-def write_docs_section(section: str, body: str) -> None:
+def write_docs_section(section: str, body: str, title: str = "Serving overhead: Flotilla vs vLLM's own server") -> None:
     start, end = f"<!-- {section}:start -->", f"<!-- {section}:end -->"
     text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
     block = f"{start}\n{body}\n{end}"
     if start in text:
         text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
     else:
-        text = text.rstrip("\n") + f"\n\n## Serving overhead: Flotilla vs vLLM's own server\n\n{block}\n"
+        text = text.rstrip("\n") + f"\n\n## {title}\n\n{block}\n"
     DOCS.write_text(text)
 
 

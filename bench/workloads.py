@@ -23,8 +23,14 @@ def _tokens(rng: random.Random, vocab: Sequence[int], n: int) -> list[int]:
 
 
 def shared_prefix(
-    vocab: Sequence[int], groups: int, prompts_per_group: int, system_len: int, question_len: int, output_len: int,
-    seed: int = 0, zipf_alpha: float | None = None,
+    vocab: Sequence[int],
+    groups: int,
+    prompts_per_group: int,
+    system_len: int,
+    question_len: int,
+    output_len: int,
+    seed: int = 0,
+    zipf_alpha: float | None = None,
 ) -> list[Session]:
     rng = random.Random(seed)
     systems = [_tokens(rng, vocab, system_len) for _ in range(groups)]
@@ -36,8 +42,7 @@ def shared_prefix(
         picks = rng.choices(range(groups), weights, k=total)
     rng.shuffle(picks)
     return [
-        Session([Turn(systems[g] + _tokens(rng, vocab, question_len), _tokens(rng, vocab, output_len))])
-        for g in picks
+        Session([Turn(systems[g] + _tokens(rng, vocab, question_len), _tokens(rng, vocab, output_len))]) for g in picks
     ]
 
 
@@ -59,8 +64,9 @@ def multi_turn(
     return result
 
 
-def hot_prefix(vocab: Sequence[int], prompts: int, prefix_len: int, suffix_len: int, output_len: int,
-               seed: int = 0) -> list[Session]:
+def hot_prefix(
+    vocab: Sequence[int], prompts: int, prefix_len: int, suffix_len: int, output_len: int, seed: int = 0
+) -> list[Session]:
     return shared_prefix(vocab, 1, prompts, prefix_len, suffix_len, output_len, seed)
 
 

@@ -75,6 +75,7 @@ class SimCluster:
         self._queue: list[_Event] = []
         self._order = itertools.count()
         self._busy: set[str] = set()
+        self._changed: set[str] = set(self.engines)  # engines whose load the router has not seen yet
 
     def run(self, sessions: list[Session], concurrency: int) -> SimResult:
         """Serve every session, at most ``concurrency`` sessions at once; returns what it measured."""
@@ -96,8 +97,9 @@ class SimCluster:
             decisions[request_id] = decision
             result.matched_blocks += decision.matched_blocks
             result.best_matched_blocks += decision.best_matched_blocks
-            engine = self.engines[decision.group.name]
+            engine = self.engines[decision.group]
             engine.add_request(SimRequest(request_id, turn.prompt, turn.output, at_s))
+            self._changed.add(engine.name)
             result.requests_per_group[engine.name] += 1
             self._wake(engine, at_s)
 
@@ -110,6 +112,7 @@ class SimCluster:
             self._busy.discard(engine.name)
             finished_before = len(engine.finished)
             duration = engine.step(now)
+            self._changed.add(engine.name)
             done = engine.finished[finished_before:]
             for request in [*engine.running, *done]:
                 decision = decisions.get(request.request_id)
@@ -147,8 +150,10 @@ class SimCluster:
         heapq.heappush(self._queue, _Event(at_s, next(self._order), "step", engine.name))
 
     def _report_load(self) -> None:
-        for name, engine in self.engines.items():
+        for name in self._changed:
+            engine = self.engines[name]
             self.router.update_engine_load(name, EngineLoad(len(engine.running), len(engine.waiting), engine.kv_usage))
+        self._changed.clear()
 
     def _on_events(self, group: str, events: list[KvEvent]) -> None:
         for event in events:

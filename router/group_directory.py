@@ -93,11 +93,11 @@ class GroupDirectory:
     # --- requests ----------------------------------------------------------------------------------
     def route(self, request_id: str, prompt_token_ids: list[int]) -> tuple[Decision, Member]:
         decision = self.router.route(request_id, prompt_token_ids)
-        return decision, self.members[decision.group.name]
+        return decision, self.members[decision.group]
 
     def first_token(self, decision: Decision) -> None:
         self.router.first_token(decision)
-        member = self.members.get(decision.group.name)
+        member = self.members.get(decision.group)
         new_blocks = decision.uncached_tokens // self.router.block_size
         if member and member.feed and self.index.is_precise(member.name) and new_blocks and not member.events_due_by:
             member.events_due_by = time.monotonic() + self.routing.event_timeout_s

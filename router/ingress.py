@@ -147,7 +147,8 @@ class OpenAIIngress:
     @app.get("/metrics")
     async def metrics(self) -> Response:
         self.directory.ensure_started()
-        self.stats.observe_groups(self.directory.router.groups.values())
+        router = self.directory.router
+        self.stats.observe_groups(router.view(name) for name in router.group_names)
         engines = await self._engine_metrics()
         return Response(self.stats.render() + merge_group_metrics(engines), media_type=CONTENT_TYPE_LATEST)
 

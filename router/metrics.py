@@ -84,13 +84,12 @@ class IngressMetrics:
         )
 
     def record_decision(self, policy: str, decision: Decision) -> None:
-        group = decision.group.name
+        group = decision.group
         self.routing_decisions.labels(policy, group).inc()
         self.decision_latency.labels(policy).observe(decision.decision_s)
-        blocks = len(decision.request.block_keys)
+        blocks = decision.request.prompt_tokens // decision.request.block_size
         if blocks:
             self.matched_ratio.labels(policy).observe(decision.matched_blocks / blocks)
-        self.group_in_flight.labels(group).set(decision.group.in_flight)
 
     def record_finished(self, group: str, prompt_tokens: int, generated_tokens: int) -> None:
         self.prompt_tokens.labels(group).inc(prompt_tokens)

@@ -16,12 +16,15 @@ capacity in blocks, like the engine's own cache.
 
 ``match`` walks the request's keys from the first block and stops at the first block no
 candidate holds: a prefix cache can only reuse a consecutive run from the start.
+
+Layout, for a million blocks over a thousand groups: each block key maps to bitmasks of the
+groups holding it, one per source (plain ints, so the index is invisible to Python's cycle
+collector), and each group keeps a dict of its keys in LRU order.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -31,35 +34,51 @@ STORED = 2
 
 @dataclass(slots=True)
 class _GroupCache:
+    bit: int
     capacity_blocks: int
     precise: bool = False
-    # key → (source bits, last time confirmed); insertion order is LRU order.
-    entries: OrderedDict[int, tuple[int, float]] = field(default_factory=OrderedDict)
+    # key → (source bits, last time confirmed); dict order is LRU order (oldest first).
+    entries: dict[int, tuple[int, float]] = field(default_factory=dict)
 
 
 class PrefixIndex:
     def __init__(self, confirmed_grace_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.confirmed_grace_s = confirmed_grace_s
         self._clock = clock
-        self._holders: dict[int, set[str]] = {}
+        self._stored: dict[int, int] = {}  # block key → bitmask of groups with a stored entry
+        self._confirmed: dict[int, int] = {}  # block key → bitmask of groups with a confirmed entry
         self._groups: dict[str, _GroupCache] = {}
+        self._names: dict[int, str] = {}  # bit → group
+        self._precise_mask = 0
 
     # --- groups ----------------------------------------------------------------------------------
     def add_group(self, group: str, capacity_blocks: int) -> None:
         if group in self._groups:
             self._groups[group].capacity_blocks = capacity_blocks
-        else:
-            self._groups[group] = _GroupCache(capacity_blocks)
+            return
+        bit = next(b for b in range(len(self._names) + 1) if b not in self._names)
+        self._groups[group] = _GroupCache(1 << bit, capacity_blocks)
+        self._names[bit] = group
 
     def remove_group(self, group: str) -> None:
+        cache = self._groups.get(group)
+        if cache is None:
+            return
         self.clear(group)
-        self._groups.pop(group, None)
+        self._precise_mask &= ~cache.bit
+        del self._names[cache.bit.bit_length() - 1]
+        del self._groups[group]
 
     def has_group(self, group: str) -> bool:
         return group in self._groups
 
     def set_precise(self, group: str, precise: bool) -> None:
-        self._groups[group].precise = precise
+        cache = self._groups[group]
+        cache.precise = precise
+        if precise:
+            self._precise_mask |= cache.bit
+        else:
+            self._precise_mask &= ~cache.bit
 
     def is_precise(self, group: str) -> bool:
         return self._groups[group].precise
@@ -72,8 +91,14 @@ class PrefixIndex:
         for key, (bits, confirmed_at) in list(cache.entries.items()):
             if bits & ~source:
                 cache.entries[key] = (bits & ~source, confirmed_at)
+                lost = self._stored if source & STORED else self._confirmed
+                remaining = lost.get(key, 0) & ~cache.bit
+                if remaining:
+                    lost[key] = remaining
+                else:
+                    lost.pop(key, None)
             else:
-                self._drop(group, cache, key)
+                self._drop(cache, key)
 
     def size(self, group: str | None = None) -> int:
         if group is not None:
@@ -93,62 +118,81 @@ class PrefixIndex:
             return
         for key in keys:
             if key in cache.entries:
-                self._drop(group, cache, key)
+                self._drop(cache, key)
 
     # --- reads -----------------------------------------------------------------------------------
-    def match(self, keys: Sequence[int], groups: Iterable[str] | None = None) -> dict[str, int]:
-        """Leading blocks of ``keys`` each group holds (groups holding none are left out)."""
-        candidates = None if groups is None else set(groups)
-        active: set[str] | None = None
-        matched: dict[str, int] = {}
+    def match(self, keys: Iterable[int], groups: Iterable[str] | None = None) -> dict[str, int]:
+        """Leading blocks of ``keys`` each group holds (groups holding none are left out).
+
+        ``keys`` may be a lazy iterator: it is read only up to the first block no group holds.
+        """
+        active = -1 if groups is None else self._mask(groups)
+        approximate = ~self._precise_mask
+        depth_of: dict[int, int] = {}
         now = self._clock()
         for depth, key in enumerate(keys, start=1):
-            holders = self._holders.get(key)
-            if not holders:
-                break
-            pool = holders if active is None else active & holders
-            if active is None and candidates is not None:
-                pool = pool & candidates
-            active = {g for g in pool if self._usable(self._groups[g], key, now)}
+            confirmed = self._confirmed.get(key, 0)
+            usable = self._stored.get(key, 0) | (confirmed & approximate)
+            pending = confirmed & self._precise_mask & active & ~usable
+            if pending:  # precise groups' own confirmations, still awaiting their BlockStored
+                usable |= self._recent(pending, key, now)
+            active &= usable
             if not active:
                 break
-            for group in active:
-                matched[group] = depth
-        return matched
+            bits = active
+            while bits:
+                low = bits & -bits
+                depth_of[low] = depth
+                bits ^= low
+        return {self._names[bit.bit_length() - 1]: depth for bit, depth in depth_of.items()}
 
     def touch(self, group: str, keys: Sequence[int]) -> None:
         """Mark blocks as just used (the engine's LRU does the same on a hit)."""
-        cache = self._groups[group]
+        entries = self._groups[group].entries
         for key in keys:
-            if key in cache.entries:
-                cache.entries.move_to_end(key)
+            value = entries.pop(key, None)
+            if value is not None:
+                entries[key] = value
 
     # --- internals -------------------------------------------------------------------------------
-    def _usable(self, cache: _GroupCache, key: int, now: float) -> bool:
-        if not cache.precise:
-            return True
-        bits, confirmed_at = cache.entries[key]
-        return bool(bits & STORED) or now - confirmed_at <= self.confirmed_grace_s
+    def _mask(self, groups: Iterable[str]) -> int:
+        mask = 0
+        for group in groups:
+            cache = self._groups.get(group)
+            if cache is not None:
+                mask |= cache.bit
+        return mask
+
+    def _recent(self, groups: int, key: int, now: float) -> int:
+        """Of ``groups``, those that confirmed ``key`` within the grace period."""
+        kept = 0
+        while groups:
+            low = groups & -groups
+            groups ^= low
+            _, confirmed_at = self._groups[self._names[low.bit_length() - 1]].entries[key]
+            if now - confirmed_at <= self.confirmed_grace_s:
+                kept |= low
+        return kept
 
     def _add(self, group: str, keys: Iterable[int], source: int, confirmed_at: float | None) -> None:
         cache = self._groups[group]
-        entries = cache.entries
+        entries, bit = cache.entries, cache.bit
+        holders = self._stored if source == STORED else self._confirmed
         for key in keys:
-            old = entries.get(key)
+            old = entries.pop(key, None)
             if old is None:
                 entries[key] = (source, confirmed_at or 0.0)
-                self._holders.setdefault(key, set()).add(group)
             else:
                 entries[key] = (old[0] | source, confirmed_at if confirmed_at is not None else old[1])
-                entries.move_to_end(key)
+            holders[key] = holders.get(key, 0) | bit
         while len(entries) > cache.capacity_blocks:
-            oldest = next(iter(entries))
-            self._drop(group, cache, oldest)
+            self._drop(cache, next(iter(entries)))
 
-    def _drop(self, group: str, cache: _GroupCache, key: int) -> None:
+    def _drop(self, cache: _GroupCache, key: int) -> None:
         del cache.entries[key]
-        holders = self._holders.get(key)
-        if holders is not None:
-            holders.discard(group)
-            if not holders:
-                del self._holders[key]
+        for holders in (self._stored, self._confirmed):
+            remaining = holders.get(key, 0) & ~cache.bit
+            if remaining:
+                holders[key] = remaining
+            else:
+                holders.pop(key, None)

@@ -1,10 +1,10 @@
 """The routing decision, free of Ray and HTTP: prefix index + live load → policy → bookkeeping.
 
 The ingress (and the simulator) call :meth:`Router.route` for each request, then
-:meth:`Router.first_token` and :meth:`Router.finished` as it progresses. The router keeps each
-group's :class:`GroupView` current: requests in flight and prefill still queued (from this
-router's own decisions), engine-side load (from :meth:`update_engine_load`), and, per request,
-the cached prefix each group holds.
+:meth:`Router.first_token` and :meth:`Router.finished` as it progresses. The router keeps every
+group's signals in numpy columns (one row per group): requests in flight and prefill still
+queued (from its own decisions) and engine-side load (from :meth:`update_engine_load`); per
+request it adds the cached prefix each group holds, then lets the policy pick a row.
 """
 
 from __future__ import annotations
@@ -13,9 +13,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.block_keys import block_keys, none_hash
-from router.policies import GroupView, RoutingPolicy, RoutingRequest
+import numpy as np
+
+from router.block_keys import BlockKeyer
+from router.policies import Candidates, GroupView, RoutingPolicy, RoutingRequest
 from router.prefix_index import PrefixIndex
+
+INITIAL_ROWS = 16
 
 
 @dataclass(slots=True)
@@ -30,13 +34,14 @@ class EngineLoad:
 @dataclass(slots=True)
 class Decision:
     request: RoutingRequest
-    group: GroupView
+    group: str
     matched_blocks: int
     """Leading blocks the chosen group held (by the index's knowledge)."""
     best_matched_blocks: int
     """The longest match any group held: the prefix reuse an oracle would get."""
     uncached_tokens: int
     decision_s: float
+    row: int
     first_token_seen: bool = False
 
 
@@ -55,17 +60,42 @@ class Router:
         self.policy = policy
         self.block_size = block_size
         self.index = index or PrefixIndex()
-        self.groups: dict[str, GroupView] = {}
         self._clock = clock
-        self._root = none_hash()
+        self._keyer = BlockKeyer(block_size)
+        self._rows: dict[str, int] = {}
+        self._names: list[str] = []
+        self._live = np.zeros(INITIAL_ROWS, dtype=bool)
+        self._in_flight = np.zeros(INITIAL_ROWS, dtype=np.int64)
+        self._pending = np.zeros(INITIAL_ROWS, dtype=np.int64)
+        self._running = np.zeros(INITIAL_ROWS, dtype=np.int64)
+        self._waiting = np.zeros(INITIAL_ROWS, dtype=np.int64)
+        self._kv_usage = np.zeros(INITIAL_ROWS, dtype=np.float64)
+        self._live_rows = np.zeros(0, dtype=np.int64)
 
     # --- membership --------------------------------------------------------------------------
+    @property
+    def group_names(self) -> list[str]:
+        return [self._names[row] for row in self._live_rows]
+
     def add_group(self, name: str, capacity_blocks: int) -> None:
-        self.groups.setdefault(name, GroupView(name))
         self.index.add_group(name, capacity_blocks)
+        if name in self._rows:
+            return
+        row = len(self._names)
+        if row == len(self._live):
+            self._grow()
+        self._rows[name] = row
+        self._names.append(name)
+        for column in (self._in_flight, self._pending, self._running, self._waiting, self._kv_usage):
+            column[row] = 0
+        self._live[row] = True
+        self._live_rows = np.flatnonzero(self._live)
 
     def remove_group(self, name: str) -> None:
-        self.groups.pop(name, None)
+        row = self._rows.get(name)
+        if row is not None:
+            self._live[row] = False
+            self._live_rows = np.flatnonzero(self._live)
         self.index.remove_group(name)
 
     def reset_group(self, name: str) -> None:
@@ -73,46 +103,83 @@ class Router:
         self.index.clear(name)
 
     def update_engine_load(self, name: str, load: EngineLoad) -> None:
-        view = self.groups.get(name)
-        if view is not None:
-            view.engine_running, view.engine_waiting, view.kv_usage = load.running, load.waiting, load.kv_usage
+        row = self._rows.get(name)
+        if row is not None:
+            self._running[row], self._waiting[row], self._kv_usage[row] = load.running, load.waiting, load.kv_usage
+
+    def view(self, name: str) -> GroupView:
+        row = self._rows[name]
+        return GroupView(
+            name,
+            int(self._in_flight[row]),
+            int(self._pending[row]),
+            int(self._running[row]),
+            int(self._waiting[row]),
+            float(self._kv_usage[row]),
+        )
 
     # --- requests ----------------------------------------------------------------------------
     def route(self, request_id: str, prompt_token_ids: list[int]) -> Decision:
-        if not self.groups:
+        rows = self._live_rows
+        if not len(rows):
             raise NoRoutableGroup("no replica group is routable")
         started = self._clock()
-        keys = block_keys(prompt_token_ids, self.block_size, self._root)
-        request = RoutingRequest(request_id, prompt_token_ids, self.block_size, keys)
-        matches = self.index.match(keys)
-        views = list(self.groups.values())
-        for view in views:
-            view.matched_blocks = matches.get(view.name, 0)
-        group = self.policy.choose(request, views)
-        matched = group.matched_blocks
-        uncached = max(0, request.prompt_tokens - matched * self.block_size)
-        self.index.touch(group.name, keys[:matched])
-        group.in_flight += 1
-        group.pending_prefill_tokens += uncached
-        self.policy.on_routed(request, group)
-        best = max(matches.values(), default=0)
-        return Decision(request, group, matched, best, uncached, self._clock() - started)
+        matches = self.index.match(self._keyer.iter_keys(prompt_token_ids))  # hashes only as far as it matches
+        request = RoutingRequest(request_id, prompt_token_ids, self.block_size)
+        matched = np.zeros(len(rows), dtype=np.int64)
+        best = 0
+        for name, depth in matches.items():
+            position = np.searchsorted(rows, self._rows[name])
+            if position < len(rows) and rows[position] == self._rows[name]:
+                matched[position] = depth
+                best = max(best, depth)
+        pick = slice(0, len(rows)) if rows[-1] == len(rows) - 1 else rows  # all live: views, no copies
+        candidates = Candidates(
+            in_flight=self._in_flight[pick],
+            pending_prefill_tokens=self._pending[pick],
+            engine_running=self._running[pick],
+            engine_waiting=self._waiting[pick],
+            kv_usage=self._kv_usage[pick],
+            matched_blocks=matched,
+        )
+        choice = self.policy.choose(request, candidates)
+        row = int(rows[choice])
+        name = self._names[row]
+        chosen_matched = int(matched[choice])
+        uncached = max(0, request.prompt_tokens - chosen_matched * self.block_size)
+        self._in_flight[row] += 1
+        self._pending[row] += uncached
+        self.policy.on_routed(request, name)
+        return Decision(request, name, chosen_matched, best, uncached, self._clock() - started, row)
 
     def first_token(self, decision: Decision) -> None:
-        """The prompt is prefilled: the group now caches its full blocks."""
-        if not decision.first_token_seen:
-            decision.first_token_seen = True
-            decision.group.pending_prefill_tokens -= decision.uncached_tokens
-            if decision.group.name in self.groups:
-                self.index.record_confirmed(decision.group.name, decision.request.block_keys)
+        """The prompt is prefilled: the group now caches its full blocks (which also renews them in its LRU)."""
+        if decision.first_token_seen:
+            return
+        decision.first_token_seen = True
+        self._pending[decision.row] -= decision.uncached_tokens
+        request = decision.request
+        request.block_keys = self._keyer.keys(request.prompt_token_ids)
+        if self._live[decision.row] and self.index.has_group(decision.group):
+            self.index.record_confirmed(decision.group, request.block_keys)
 
     def finished(self, decision: Decision, output_token_ids: list[int] | None = None) -> None:
         """The request ended; with its output, the blocks it filled while decoding are known too."""
-        if decision.first_token_seen and output_token_ids and decision.group.name in self.groups:
-            full = block_keys(decision.request.prompt_token_ids + output_token_ids, self.block_size, self._root)
-            self.index.record_confirmed(decision.group.name, full[len(decision.request.block_keys) :])
+        if decision.first_token_seen and output_token_ids and self.index.has_group(decision.group):
+            full = self._keyer.keys(decision.request.prompt_token_ids + output_token_ids)
+            self.index.record_confirmed(
+                decision.group, full[len(decision.request.prompt_token_ids) // self.block_size :]
+            )
         if not decision.first_token_seen:  # failed or aborted before its prefill finished
             decision.first_token_seen = True
-            decision.group.pending_prefill_tokens -= decision.uncached_tokens
-        decision.group.in_flight -= 1
+            self._pending[decision.row] -= decision.uncached_tokens
+        self._in_flight[decision.row] -= 1
         self.policy.on_finished(decision.request, decision.group)
+
+    def _grow(self) -> None:
+        size = 2 * len(self._live)
+        for attr in ("_live", "_in_flight", "_pending", "_running", "_waiting", "_kv_usage"):
+            column = getattr(self, attr)
+            grown = np.zeros(size, dtype=column.dtype)
+            grown[: len(column)] = column
+            setattr(self, attr, grown)

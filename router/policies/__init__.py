@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from router.policies.base import GroupView, PolicyParams, RoutingPolicy, RoutingRequest
+from router.policies.base import Candidates, GroupView, PolicyParams, RoutingPolicy, RoutingRequest
 from router.policies.cache_aware import CacheAwarePolicy
 from router.policies.least_loaded import LeastLoadedPolicy
 from router.policies.power_of_two import PowerOfTwoPolicy
@@ -32,4 +32,13 @@ def make_policy(name: str, params: dict[str, Any] | None = None) -> RoutingPolic
         raise ValueError(f"invalid parameters for routing policy {name!r}: {err}") from None
 
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "GroupView", "PolicyParams", "RoutingPolicy", "RoutingRequest", "make_policy"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICIES",
+    "Candidates",
+    "GroupView",
+    "PolicyParams",
+    "RoutingPolicy",
+    "RoutingRequest",
+    "make_policy",
+]

@@ -1,17 +1,18 @@
 """The routing policy contract.
 
-The ingress fills one :class:`GroupView` per routable group (live load, and the prefix-cache
-match for this request when the policy asks for it), then asks the policy to pick one.
-Policies only read these views; producing them (the prefix index, load polling) and recording
-the decision are the ingress's job. Lifecycle hooks have no-op defaults.
+For each request the router hands the policy a :class:`Candidates` table — one row per routable
+group, as numpy columns (live load, and the request's prefix match when the policy asks for it)
+— and the policy returns the row it picks. Columns keep a decision fast with a thousand groups.
+Producing the columns (prefix index, load polling) and recording the decision are the router's
+job; lifecycle hooks have no-op defaults.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 
@@ -21,7 +22,8 @@ class RoutingRequest:
     prompt_token_ids: list[int]
     block_size: int = 0
     block_keys: list[int] = field(default_factory=list)
-    """vLLM-compatible keys of the prompt's full blocks (empty unless the policy uses prefixes)."""
+    """vLLM-compatible keys of the prompt's full blocks; filled once the prompt is prefilled
+    (routing hashes only as far as some group's cache matches)."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -29,25 +31,39 @@ class RoutingRequest:
 
 
 @dataclass(slots=True)
-class GroupView:
-    """A routable group as a policy sees it."""
+class Candidates:
+    """Routable groups, one row each, in the order they joined."""
 
-    name: str
-    in_flight: int = 0
+    in_flight: np.ndarray
     """Requests this ingress has in flight on the group."""
-    pending_prefill_tokens: int = 0
-    """Uncached prompt tokens of this ingress's requests on the group that have no first token yet."""
-    engine_running: int = 0
-    engine_waiting: int = 0
-    kv_usage: float = 0.0
+    pending_prefill_tokens: np.ndarray
+    """Uncached prompt tokens of this ingress's requests there that have no first token yet."""
+    engine_running: np.ndarray
+    engine_waiting: np.ndarray
+    kv_usage: np.ndarray
     """From the engine's last scheduler stats (they cover every ingress's requests)."""
-    matched_blocks: int = 0
-    """Leading prompt blocks the group holds, for this request (prefix-using policies only)."""
+    matched_blocks: np.ndarray
+    """Leading prompt blocks each group holds, for this request (zeros unless the policy uses prefixes)."""
 
     @property
-    def outstanding(self) -> int:
-        """Requests on the group: the engine's count, or this ingress's if that is higher (stats lag)."""
-        return max(self.in_flight, self.engine_running + self.engine_waiting)
+    def outstanding(self) -> np.ndarray:
+        """Requests on each group: the engine's count, or this ingress's if higher (stats lag)."""
+        return np.maximum(self.in_flight, self.engine_running + self.engine_waiting)
+
+    def __len__(self) -> int:
+        return len(self.in_flight)
+
+
+@dataclass(slots=True)
+class GroupView:
+    """One group's row, as a plain object (for metrics and tests)."""
+
+    name: str
+    in_flight: int
+    pending_prefill_tokens: int
+    engine_running: int
+    engine_waiting: int
+    kv_usage: float
 
 
 class PolicyParams(BaseModel):
@@ -66,25 +82,25 @@ class RoutingPolicy:
     def __init__(self, params: PolicyParams | None = None) -> None:
         self.params = params or self.Params()
 
-    def choose(self, request: RoutingRequest, groups: Sequence[GroupView]) -> GroupView:
-        """Pick one of ``groups`` (never empty) for ``request``."""
+    def choose(self, request: RoutingRequest, groups: Candidates) -> int:
+        """The row of ``groups`` (never empty) to send ``request`` to."""
         raise NotImplementedError
 
-    def on_routed(self, request: RoutingRequest, group: GroupView) -> None:
+    def on_routed(self, request: RoutingRequest, group: str) -> None:
         """Called once the request was sent to ``group``."""
 
-    def on_finished(self, request: RoutingRequest, group: GroupView) -> None:
+    def on_finished(self, request: RoutingRequest, group: str) -> None:
         """Called when the request ends on ``group`` (finished, failed or aborted)."""
 
 
 class TieBreaker:
-    """Deterministic but fair: equally good groups take turns, in name order."""
+    """Deterministic but fair: equally good rows take turns, in the order the groups joined."""
 
     def __init__(self) -> None:
         self._turn = 0
 
-    def pick(self, tied: Sequence[GroupView]) -> GroupView:
-        ordered = sorted(tied, key=lambda g: g.name)
-        choice = ordered[self._turn % len(ordered)]
+    def pick(self, tied: np.ndarray) -> int:
+        """One of the row numbers in ``tied`` (ascending, non-empty)."""
+        choice = int(tied[self._turn % len(tied)])
         self._turn += 1
         return choice

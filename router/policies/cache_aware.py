@@ -19,16 +19,15 @@ Per request, in three steps:
    the prefix — the KV space a second copy would take from other prefixes. Misses therefore
    go to the least-loaded group (not to the group with the smallest cache, which piles new
    work onto busy groups).
-3. **Pick** the cheapest; equal costs take turns in name order (deterministic, yet fair).
+3. **Pick** the cheapest; equal costs take turns in the order groups joined (deterministic, yet fair).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+import numpy as np
 from pydantic import Field
 
-from router.policies.base import GroupView, PolicyParams, RoutingPolicy, RoutingRequest, TieBreaker
+from router.policies.base import Candidates, PolicyParams, RoutingPolicy, RoutingRequest, TieBreaker
 
 
 class CacheAwareParams(PolicyParams):
@@ -67,33 +66,29 @@ class CacheAwarePolicy(RoutingPolicy):
     Params = CacheAwareParams
     uses_prefix_match = True
 
-    def __init__(self, params: CacheAwareParams | None = None) -> None:
+    def __init__(self, params: PolicyParams | None = None) -> None:
         super().__init__(params)
         assert isinstance(self.params, CacheAwareParams)
         self.p: CacheAwareParams = self.params
         self._ties = TieBreaker()
 
-    def choose(self, request: RoutingRequest, groups: Sequence[GroupView]) -> GroupView:
-        least = min(g.outstanding for g in groups)
-        usable = [g for g in groups if not self.saturated(g, least)] or list(groups)
-        best_match = max(g.matched_blocks for g in groups)
-        costs = {g.name: self.cost(request, g, best_match) for g in usable}
-        best = min(costs.values())
-        return self._ties.pick([g for g in usable if costs[g.name] == best])
+    def choose(self, request: RoutingRequest, groups: Candidates) -> int:
+        outstanding = groups.outstanding
+        cost = self.costs(request, groups, outstanding)
+        saturated = self.saturated(groups, outstanding)
+        if saturated.any() and not saturated.all():
+            cost[saturated] = np.inf
+        return self._ties.pick(np.flatnonzero(cost == cost.min()))
 
-    def saturated(self, group: GroupView, least_outstanding: int) -> bool:
-        least = least_outstanding
-        return (
-            group.kv_usage >= self.p.kv_saturation
-            or group.outstanding > self.p.balance_abs + self.p.balance_rel * least
-        )
+    def saturated(self, groups: Candidates, outstanding: np.ndarray) -> np.ndarray:
+        limit = self.p.balance_abs + self.p.balance_rel * outstanding.min()
+        return (groups.kv_usage >= self.p.kv_saturation) | (outstanding > limit)
 
-    def cost(self, request: RoutingRequest, group: GroupView, best_matched_blocks: int) -> float:
-        uncached = max(0, request.prompt_tokens - group.matched_blocks * request.block_size)
-        duplicated = (best_matched_blocks - group.matched_blocks) * request.block_size
-        return (
-            group.pending_prefill_tokens
-            + uncached
-            + self.p.decode_weight * group.outstanding
-            + self.p.duplicate_weight * duplicated
-        )
+    def costs(self, request: RoutingRequest, groups: Candidates, outstanding: np.ndarray) -> np.ndarray:
+        """Prompt-token equivalents of work ahead of the first token, per group (a fresh array)."""
+        matched_tokens = groups.matched_blocks * request.block_size
+        cost = groups.pending_prefill_tokens + self.p.decode_weight * outstanding
+        cost += np.maximum(0, request.prompt_tokens - matched_tokens)
+        if self.p.duplicate_weight:
+            cost += self.p.duplicate_weight * (matched_tokens.max() - matched_tokens)
+        return cost

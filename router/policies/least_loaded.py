@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numpy as np
 
-from router.policies.base import GroupView, RoutingPolicy, RoutingRequest, TieBreaker
+from router.policies.base import Candidates, PolicyParams, RoutingPolicy, RoutingRequest, TieBreaker
 
 
 class LeastLoadedPolicy(RoutingPolicy):
     name = "least_loaded"
 
-    def __init__(self, params=None) -> None:
+    def __init__(self, params: PolicyParams | None = None) -> None:
         super().__init__(params)
         self._ties = TieBreaker()
 
-    def choose(self, request: RoutingRequest, groups: Sequence[GroupView]) -> GroupView:
-        def load(g: GroupView) -> tuple[int, int]:
-            return (g.outstanding, g.pending_prefill_tokens)
-
-        best = min(load(g) for g in groups)
-        return self._ties.pick([g for g in groups if load(g) == best])
+    def choose(self, request: RoutingRequest, groups: Candidates) -> int:
+        outstanding = groups.outstanding
+        fewest = np.flatnonzero(outstanding == outstanding.min())
+        pending = groups.pending_prefill_tokens[fewest]
+        return self._ties.pick(fewest[pending == pending.min()])

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 
 from pydantic import Field
 
-from router.policies.base import GroupView, PolicyParams, RoutingPolicy, RoutingRequest
+from router.policies.base import Candidates, PolicyParams, RoutingPolicy, RoutingRequest
 
 
 class PowerOfTwoParams(PolicyParams):
@@ -18,13 +17,14 @@ class PowerOfTwoPolicy(RoutingPolicy):
     name = "power_of_two"
     Params = PowerOfTwoParams
 
-    def __init__(self, params: PowerOfTwoParams | None = None) -> None:
+    def __init__(self, params: PolicyParams | None = None) -> None:
         super().__init__(params)
         assert isinstance(self.params, PowerOfTwoParams)
         self._rng = random.Random(self.params.seed)
 
-    def choose(self, request: RoutingRequest, groups: Sequence[GroupView]) -> GroupView:
+    def choose(self, request: RoutingRequest, groups: Candidates) -> int:
         if len(groups) == 1:
-            return groups[0]
-        first, second = self._rng.sample(list(groups), 2)
-        return first if first.outstanding <= second.outstanding else second
+            return 0
+        first, second = self._rng.sample(range(len(groups)), 2)
+        outstanding = groups.outstanding
+        return first if outstanding[first] <= outstanding[second] else second

@@ -6,19 +6,19 @@ affinity alone buys and how it hot-spots. Misses and ties take turns.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numpy as np
 
-from router.policies.base import GroupView, RoutingPolicy, RoutingRequest, TieBreaker
+from router.policies.base import Candidates, PolicyParams, RoutingPolicy, RoutingRequest, TieBreaker
 
 
 class PrefixOnlyPolicy(RoutingPolicy):
     name = "prefix_only"
     uses_prefix_match = True
 
-    def __init__(self, params=None) -> None:
+    def __init__(self, params: PolicyParams | None = None) -> None:
         super().__init__(params)
         self._ties = TieBreaker()
 
-    def choose(self, request: RoutingRequest, groups: Sequence[GroupView]) -> GroupView:
-        best = max(g.matched_blocks for g in groups)
-        return self._ties.pick([g for g in groups if g.matched_blocks == best])
+    def choose(self, request: RoutingRequest, groups: Candidates) -> int:
+        matched = groups.matched_blocks
+        return self._ties.pick(np.flatnonzero(matched == matched.max()))

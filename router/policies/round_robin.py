@@ -1,18 +1,18 @@
-"""Round-robin: each request goes to the next group in name order. Ignores load and caches."""
+"""Round-robin: each request goes to the next group in turn. Ignores load and caches."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numpy as np
 
-from router.policies.base import GroupView, RoutingPolicy, RoutingRequest, TieBreaker
+from router.policies.base import Candidates, PolicyParams, RoutingPolicy, RoutingRequest, TieBreaker
 
 
 class RoundRobinPolicy(RoutingPolicy):
     name = "round_robin"
 
-    def __init__(self, params=None) -> None:
+    def __init__(self, params: PolicyParams | None = None) -> None:
         super().__init__(params)
         self._turns = TieBreaker()
 
-    def choose(self, request: RoutingRequest, groups: Sequence[GroupView]) -> GroupView:
-        return self._turns.pick(groups)
+    def choose(self, request: RoutingRequest, groups: Candidates) -> int:
+        return self._turns.pick(np.arange(len(groups)))
