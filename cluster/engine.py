@@ -52,11 +52,15 @@ def running_on_flotilla_cpu() -> bool:
 
 
 def kv_events_config(host: str, port: int, replay_port: int) -> dict[str, Any]:
-    """vLLM's ZMQ KV-event publisher on ``host``, with a replay socket for late subscribers."""
+    """vLLM's ZMQ KV-event publisher, with a replay socket for late subscribers.
+
+    vLLM's publisher binds only wildcard endpoints (any other address it *connects* to), so the
+    event socket binds every interface; subscribers reach it at ``tcp://{host}:{port}``.
+    """
     return {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://{host}:{port}",
+        "endpoint": f"tcp://*:{port}",
         "replay_endpoint": f"tcp://{host}:{replay_port}",
         "topic": KV_EVENTS_TOPIC,
     }

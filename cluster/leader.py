@@ -135,7 +135,8 @@ class GroupLeader:
         host = ray.util.get_node_ip_address()
         events = None
         if self.spec.kv_events:
-            events = kv_events_config(host, *_free_ports(host, 2))
+            port, replay_port = _free_ports(host, 2)
+            events = kv_events_config(host, port, replay_port)
         args = AsyncEngineArgs(**engine_kwargs(self.spec, on_cpu, events))
         vllm_config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         vllm_config.parallel_config.placement_group = self.placement_group
@@ -156,7 +157,7 @@ class GroupLeader:
             num_kv_blocks=cache.num_gpu_blocks or 0,
             vllm_instance_id=vllm_config.instance_id,
             startup_s=time.monotonic() - started,
-            kv_events_endpoint=events["endpoint"] if events else None,
+            kv_events_endpoint=f"tcp://{host}:{port}" if events else None,
             kv_events_replay_endpoint=events["replay_endpoint"] if events else None,
         )
 

@@ -100,6 +100,10 @@ class PrefixIndex:
             else:
                 self._drop(cache, key)
 
+    def keys(self, group: str) -> list[int]:
+        """The group's entries, least recently used first."""
+        return list(self._groups[group].entries)
+
     def size(self, group: str | None = None) -> int:
         if group is not None:
             return len(self._groups[group].entries)

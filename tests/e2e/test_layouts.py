@@ -23,10 +23,18 @@ from cluster.group_api import GenerateRequest, SamplingSpec
 from cluster.local_ray import LocalCluster, LocalClusterShape
 from cluster.model_spec import ModelSpec
 from cluster.planner import kv_capacity_tokens
+from router.block_keys import block_keys
 from router.group_channel import GroupChannel
+from router.kv_events import KvEventFeed
+from router.prefix_index import PrefixIndex
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
-PROMPTS = [[17, 250, 33, 980, 5, 61, 402, 77], [300 + i for i in range(40)], [9] * 20]
+PROMPTS = [
+    [17, 250, 33, 980, 5, 61, 402, 77],
+    [300 + i for i in range(40)],
+    [9] * 20,
+    [(37 * i) % 997 for i in range(300)],
+]
 NEW_TOKENS = 24
 _ids = itertools.count()
 
@@ -44,6 +52,8 @@ class LayoutRun:
     placement_group_id: str
     workers: list[WorkerActor]
     outputs: list[list[int]]
+    stored_keys: list[int]
+    """Block keys the engine announced in BlockStored events while serving PROMPTS."""
 
 
 @contextmanager
@@ -66,14 +76,34 @@ def run_layout(model: Path, tp: int, pp: int) -> LayoutRun:
     )
     group = ReplicaGroup(f"layout-{next(_ids)}", spec)
 
+    index = PrefixIndex()
+
     async def start_and_generate() -> list[list[int]]:
         await group.start(timeout_s=600)
+        assert group.info is not None and group.info.kv_events_endpoint
+        index.add_group(group.name, group.info.num_kv_blocks)
+        expected = sum(len(p) // group.info.block_size for p in PROMPTS)
+        all_stored = asyncio.Event()
+
+        def on_event(_: str) -> None:
+            if index.size(group.name) >= expected:
+                all_stored.set()
+
+        feed = KvEventFeed(
+            group.name, group.info.kv_events_endpoint, group.info.kv_events_replay_endpoint, index, on_event
+        )
+        feed.start()
         channel = GroupChannel(group.leader, host="127.0.0.1")
         outputs = []
         for i, prompt in enumerate(PROMPTS):
             sampling = SamplingSpec(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
             request = GenerateRequest(f"{group.name}-{i}", prompt, sampling, stream=False)
             outputs.append([t async for chunk in channel.generate(request) for t in chunk.token_ids])
+        try:
+            await asyncio.wait_for(all_stored.wait(), 30)
+        except TimeoutError:
+            pass  # the test below reports which keys never arrived
+        feed.stop()
         channel.close()
         return outputs
 
@@ -85,7 +115,8 @@ def run_layout(model: Path, tp: int, pp: int) -> LayoutRun:
             for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=10_000)
             if a.class_name == "RayWorkerProc" and a.placement_group_id == pg_id
         ]
-        return LayoutRun(group, pg_id, sorted(workers, key=lambda w: w.name), outputs)
+        stored = index.keys(group.name) if index.has_group(group.name) else []
+        return LayoutRun(group, pg_id, sorted(workers, key=lambda w: w.name), outputs, stored)
     finally:
         group.stop()
 
@@ -145,3 +176,14 @@ def test_planner_kv_capacity_is_within_10_percent_of_what_vllm_reports(runs, tin
         spec, engine.tensor_parallel_size, engine.pipeline_parallel_size, engine.cpu_kv_cache_memory_bytes
     )
     assert abs(estimated - reported) <= 0.10 * reported, (estimated, reported)
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+def test_router_block_keys_are_the_keys_vllm_announces(runs, layout) -> None:
+    """The engine's BlockStored events name exactly the blocks the router computes for the prompts."""
+    run = runs[layout]
+    assert run.group.info is not None
+    block_size = run.group.info.block_size
+    expected = [key for prompt in PROMPTS for key in block_keys(prompt, block_size)]
+    assert expected, "PROMPTS must contain a prompt of at least one full block"
+    assert set(expected) <= set(run.stored_keys)

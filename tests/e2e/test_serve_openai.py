@@ -174,6 +174,16 @@ def test_both_groups_receive_traffic(server: Server, client: openai.OpenAI) -> N
         assert metric(after, "flotilla_routing_decisions_total", policy="cache_aware", group=group) >= 1
 
 
+def test_a_repeated_prefix_is_served_from_the_engine_cache_it_was_routed_to(client: openai.OpenAI) -> None:
+    """cache_aware with KV events: a prompt sharing a long prefix lands where that prefix is cached."""
+    for topic in ("river", "mountain", "garden"):
+        prefix = f" {topic}" * 600  # ≈ 600 tokens: 4 full 128-token blocks
+        first = client.completions.create(model=MODEL, prompt=prefix + " one", max_tokens=2)
+        assert (first.usage.prompt_tokens_details.cached_tokens or 0) == 0
+        second = client.completions.create(model=MODEL, prompt=prefix + " two", max_tokens=2)
+        assert second.usage.prompt_tokens_details.cached_tokens >= 512, topic
+
+
 def test_health_and_metrics(server: Server) -> None:
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 200 and health.json()["groups"] == list(GROUPS)
@@ -181,6 +191,10 @@ def test_health_and_metrics(server: Server) -> None:
     assert metric(text, "flotilla_requests_total", endpoint="completions", status="200") > 0
     assert metric(text, "flotilla_requests_total", endpoint="completions", status="404") > 0
     assert "flotilla_time_to_first_token_seconds_bucket" in text
+    assert metric(text, "flotilla_routing_decision_seconds_count", policy="cache_aware") > 0
+    assert "flotilla_routing_matched_block_ratio_bucket" in text
+    for group in GROUPS:
+        assert re.search(rf'^flotilla_group_load\{{group="{group}",signal="kv_usage"\}}', text, re.M)
     for group in GROUPS:  # each engine's own counters, re-exported with a group label
         assert metric(text, "vllm:generation_tokens_total", group=group) > 0
         assert re.search(rf'^vllm:kv_cache_usage_perc\{{[^}}]*group="{group}"', text, re.M)
