@@ -68,9 +68,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from cluster.tiny_models import TINY_MODELS, make_model
+    from cluster.tiny_models import DEFAULT_MODELS, TINY_MODELS, make_model
 
-    names = args.names or sorted(TINY_MODELS)
+    names = args.names or list(DEFAULT_MODELS)
     unknown = sorted(set(names) - TINY_MODELS.keys())
     if unknown:
         print(f"flotilla: unknown model(s) {unknown}; choose from {sorted(TINY_MODELS)}", file=sys.stderr)
@@ -113,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=cmd_plan)
 
     make_model = commands.add_parser("make-model", help="build the tiny test models (Hugging Face folders)")
-    make_model.add_argument("names", nargs="*", help="models to build (default: all)")
+    make_model.add_argument(
+        "names", nargs="*", help="models to build: tiny-llama, tiny-mixtral (default) and bench-llama"
+    )
     make_model.add_argument("--out", default="models", help="parent folder (default: models)")
     make_model.set_defaults(func=cmd_make_model)
     return parser
