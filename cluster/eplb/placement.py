@@ -1,0 +1,443 @@
+"""Flotilla's expert placement: balanced, movement-aware, node-aware, no duplicate per rank.
+
+Same inputs and output as vLLM's EPLB policy (``rebalance_experts``); see ``vllm_policy``.
+Per layer:
+
+1. Replica counts: one replica per expert, then each extra slot goes to the expert with the
+   highest load per replica (optimal for the max per-replica load), capped at one replica
+   per rank so that no rank ever holds two copies of an expert.
+2. Fresh placements: replicas heaviest first onto the lightest rank that has a free slot
+   and does not hold that expert yet, then swaps between the most loaded rank and any other
+   rank while a swap lowers the maximum. Two fresh candidates: global, and node-aware
+   (groups packed onto nodes, replicas placed inside their node) when groups divide by nodes.
+   The node-aware one wins ties (and within ``node_affinity_slack``): it keeps a group's
+   tokens inside one node.
+3. Incremental placement from the old map: experts stay in their slots; surplus replicas
+   leave the most loaded ranks, missing ones fill the freed slots, then the same swaps run
+   only until the layer is as balanced as the best fresh candidate.
+4. The incremental placement wins unless it is less balanced than the best fresh one (by
+   more than ``keep_slack``); a fresh winner is relabelled so that each new rank lands where
+   most of its experts already are, and experts that stay on a rank keep their slot.
+
+``keep_slack`` defaults to 0, so the result is always at least as balanced as the best fresh
+candidate, and movement is only saved where it costs no balance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cluster.eplb import deepseek
+from cluster.eplb.balance import rank_loads, replica_counts
+
+_NO_EXPERT = -1
+_NEAR_PARTNERS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementOptions:
+    keep_slack: float = 0.01
+    """Keep the incremental placement if its max rank load is within this fraction of the
+    best fresh one's (and no higher than DeepSeek's). Under a stationary load the optimum
+    shifts with sampling noise; without slack a few 0.1% of balance would cost a reshuffle."""
+    node_affinity_slack: float = 0.0
+    """Prefer the node-aware candidate if its max rank load is within this fraction of the
+    global one's. 0 picks node-aware only when it balances at least as well."""
+    good_enough_slack: float = 2e-3
+    """Fresh placements stop swapping within this fraction of the lower bound on the max rank
+    load; the last few 0.1% cost most of the planning time."""
+    max_swaps_per_rank: int = 4
+    """Swap budget per layer, times the number of ranks; bounds planning time."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementShape:
+    num_logical: int
+    num_physical: int
+    num_groups: int
+    num_nodes: int
+    num_ranks: int
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_physical // self.num_ranks
+
+    @property
+    def node_aware_possible(self) -> bool:
+        """Groups whole on nodes, and a node's experts can fill its ranks without duplicates."""
+        return (
+            self.num_nodes > 1
+            and self.num_groups % self.num_nodes == 0
+            and self.num_logical % self.num_groups == 0
+            and self.num_physical % self.num_nodes == 0
+            and self.num_logical // self.num_nodes >= self.slots_per_rank
+        )
+
+    def validate(self) -> None:
+        if self.num_ranks <= 0 or self.num_physical % self.num_ranks:
+            raise ValueError(f"num_replicas {self.num_physical} must be a positive multiple of num_ranks")
+        if self.num_physical < self.num_logical:
+            raise ValueError(f"num_replicas {self.num_physical} < {self.num_logical} logical experts")
+        if self.slots_per_rank > self.num_logical:
+            raise ValueError(
+                f"{self.slots_per_rank} slots per rank > {self.num_logical} experts: a rank would hold duplicates"
+            )
+
+
+def plan_placement(
+    weight: np.ndarray,
+    num_physical: int,
+    num_groups: int,
+    num_nodes: int,
+    num_ranks: int,
+    old_physical_to_logical: np.ndarray | None = None,
+    options: PlacementOptions = PlacementOptions(),
+) -> np.ndarray:
+    """``physical_to_logical[layers, num_physical]`` for loads ``weight[layers, num_logical]``.
+
+    ``old_physical_to_logical`` (same shape, -1 for an empty slot) is the current placement;
+    without it (or with another shape) nothing is kept. ``num_nodes`` that does not divide
+    ``num_ranks`` is treated as one node, as vLLM does.
+    """
+    weight = np.asarray(weight, dtype=np.float64)
+    if weight.ndim != 2:
+        raise ValueError(f"weight must be [layers, logical_experts], got shape {weight.shape}")
+    if num_nodes <= 0 or num_ranks % num_nodes:
+        num_nodes = 1
+    shape = PlacementShape(weight.shape[1], num_physical, max(num_groups, 1), num_nodes, num_ranks)
+    shape.validate()
+    if old_physical_to_logical is not None:
+        old_physical_to_logical = np.asarray(old_physical_to_logical, dtype=np.int64)
+        if old_physical_to_logical.shape != (weight.shape[0], num_physical):
+            old_physical_to_logical = None
+
+    counts = replica_counts_capped(weight, num_physical, cap=num_ranks)
+    baseline = deepseek.rebalance_experts(weight, num_physical, shape.num_groups, num_nodes, num_ranks)
+    fresh = _best_fresh(weight, counts, shape, baseline, options)
+    if old_physical_to_logical is None:
+        return fresh.reshape(weight.shape[0], num_physical)
+
+    old = old_physical_to_logical.reshape(weight.shape[0], num_ranks, shape.slots_per_rank)
+    fresh_max = _max_load(fresh, weight)
+    # Never less balanced than DeepSeek's plan, unless even the best fresh placement is.
+    baseline_max = _max_load(baseline, weight, num_ranks)
+    keep_max = np.minimum(fresh_max * (1 + options.keep_slack), np.maximum(baseline_max, fresh_max))
+    ranks_per_block = num_ranks // num_nodes if shape.node_aware_possible else 1
+    old_counts = replica_counts(old_physical_to_logical, shape.num_logical)
+    old_counts_usable = np.asarray((old_counts >= 1).all(axis=1) & (old_counts <= num_ranks).all(axis=1))
+    max_swaps = options.max_swaps_per_rank * num_ranks
+    layouts = []
+    for layer in range(weight.shape[0]):
+        # Replica counts drift with sampling noise; keeping the old counts first avoids moving replicas for it.
+        tries = [old_counts[layer], counts[layer]] if old_counts_usable[layer] else [counts[layer]]
+        for layer_counts in tries:
+            kept = _incremental_layout(old[layer], layer_counts, weight[layer] / layer_counts)
+            improve_layout(kept, weight[layer] / layer_counts, keep_max[layer], max_swaps)
+            if (weight[layer] / layer_counts)[kept].sum(axis=1).max() <= keep_max[layer]:
+                layouts.append(kept)
+                break
+        else:
+            layouts.append(relabel_to_old(fresh[layer], old[layer], ranks_per_block))
+    return np.stack(layouts).reshape(weight.shape[0], num_physical)
+
+
+def _best_fresh(
+    weight: np.ndarray, counts: np.ndarray, shape: PlacementShape, baseline: np.ndarray, options: PlacementOptions
+) -> np.ndarray:
+    """Per layer, the most balanced of: ours (global), DeepSeek's (duplicates swapped away), node-aware.
+
+    DeepSeek's plan is a candidate so that we are never less balanced than it where it is
+    duplicate-free; it is cheap, it is computed anyway for the keep bound.
+    """
+    replica_weight = weight / counts
+    candidates = [_improved(fresh_layouts(weight, counts, shape.num_ranks), replica_weight, options)]
+    from_baseline = baseline.reshape(weight.shape[0], shape.num_ranks, shape.slots_per_rank).copy()
+    baseline_counts = replica_counts(baseline, shape.num_logical)
+    for layer in range(weight.shape[0]):
+        try:
+            if baseline_counts[layer].max() > shape.num_ranks:
+                raise ValueError("more copies of an expert than ranks")
+            _repair_duplicates(from_baseline[layer], weight[layer] / baseline_counts[layer])
+        except ValueError:  # no duplicate-free form of DeepSeek's plan: not a candidate
+            from_baseline[layer] = candidates[0][layer]
+    candidates.append(from_baseline)
+    peaks = np.stack([_max_load(candidate, weight) for candidate in candidates])
+    best = np.argmin(peaks, axis=0)
+    fresh = np.stack(candidates)[best, np.arange(weight.shape[0])]
+    if shape.node_aware_possible:
+        node_aware = _node_aware_layouts(weight, shape, options)
+        prefer = _max_load(node_aware, weight) <= peaks.min(axis=0) * (1 + options.node_affinity_slack)
+        fresh = np.where(prefer[:, None, None], node_aware, fresh)
+    return fresh
+
+
+def replica_counts_capped(weight: np.ndarray, num_physical: int, cap: int) -> np.ndarray:
+    """``[rows, n]`` replicas per expert: greedy on the highest load per replica, at most ``cap`` each."""
+    rows_count, num_logical = weight.shape
+    rows = np.arange(rows_count)
+    counts = np.ones((rows_count, num_logical), dtype=np.int64)
+    for _ in range(num_physical - num_logical):
+        per_replica = np.where(counts < cap, weight / counts, -np.inf)
+        expert = np.argmax(per_replica, axis=1)
+        counts[rows, expert] += 1
+    return counts
+
+
+def fresh_layouts(weight: np.ndarray, counts: np.ndarray, num_ranks: int) -> np.ndarray:
+    """``[rows, ranks, slots_per_rank]``: replicas heaviest first onto the lightest allowed rank."""
+    rows_count, num_logical = weight.shape
+    num_physical = int(counts[0].sum())
+    slots_per_rank = num_physical // num_ranks
+    replica_expert = np.stack([np.repeat(np.arange(num_logical), row_counts) for row_counts in counts])
+    replica_weight = np.take_along_axis(weight / counts, replica_expert, axis=1)
+    order = np.argsort(-replica_weight, axis=1, kind="stable")
+    replica_expert = np.take_along_axis(replica_expert, order, axis=1)
+    replica_weight = np.take_along_axis(replica_weight, order, axis=1)
+
+    rows = np.arange(rows_count)
+    layout = np.full((rows_count, num_ranks, slots_per_rank), _NO_EXPERT, dtype=np.int64)
+    loads = np.zeros((rows_count, num_ranks))
+    filled = np.zeros((rows_count, num_ranks), dtype=np.int64)
+    holds = np.zeros((rows_count, num_ranks, num_logical), dtype=bool)
+    for position in range(num_physical):
+        expert = replica_expert[:, position]
+        full = filled >= slots_per_rank
+        allowed = ~full & ~holds[rows, :, expert]
+        # A dead end (only ranks holding the expert have room) takes a duplicate, repaired below.
+        allowed |= ~full & ~allowed.any(axis=1, keepdims=True)
+        rank = np.argmin(np.where(allowed, loads, np.inf), axis=1)
+        layout[rows, rank, filled[rows, rank]] = expert
+        filled[rows, rank] += 1
+        loads[rows, rank] += replica_weight[:, position]
+        holds[rows, rank, expert] = True
+    for row in range(rows_count):
+        _repair_duplicates(layout[row], weight[row] / counts[row])
+    return layout
+
+
+def improve_layout(layout: np.ndarray, replica_weight: np.ndarray, target_max: float, max_swaps: int) -> int:
+    """Swap replicas between the most loaded rank and others while that lowers the maximum.
+
+    Works in place on ``layout[ranks, slots]``; stops at ``target_max`` or when no swap helps.
+    Partners are looked for on the lightest ranks first (cheap), then on all ranks.
+    Returns the number of swaps.
+    """
+    num_ranks, slots_per_rank = layout.shape
+    holds = _holds(layout, replica_weight.shape[0])
+    loads = replica_weight[layout].sum(axis=1)
+    tolerance = 1e-9 * max(float(loads.max()), 1e-12)
+    for swap in range(max_swaps):
+        top_rank = int(np.argmax(loads))
+        if loads[top_rank] <= target_max + tolerance:
+            return swap
+        by_load = np.argsort(loads, kind="stable")
+        partner = _best_swap(layout, holds, loads, replica_weight, top_rank, by_load[:_NEAR_PARTNERS], tolerance)
+        if partner is None and num_ranks > _NEAR_PARTNERS:
+            partner = _best_swap(layout, holds, loads, replica_weight, top_rank, by_load, tolerance)
+        if partner is None:
+            return swap
+        _swap(layout, holds, loads, replica_weight, *partner)
+    return max_swaps
+
+
+def _best_swap(
+    layout: np.ndarray,
+    holds: np.ndarray,
+    loads: np.ndarray,
+    replica_weight: np.ndarray,
+    top_rank: int,
+    partner_ranks: np.ndarray,
+    tolerance: float,
+) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """The swap of a replica on ``top_rank`` with one on ``partner_ranks`` giving the lowest peak."""
+    slots_per_rank = layout.shape[1]
+    partner_ranks = partner_ranks[partner_ranks != top_rank]
+    outgoing = layout[top_rank]
+    incoming = layout[partner_ranks].reshape(-1)
+    incoming_rank = np.repeat(partner_ranks, slots_per_rank)
+    delta = replica_weight[outgoing][:, None] - replica_weight[incoming][None, :]
+    top = loads[top_rank]
+    peak = np.maximum(top - delta, loads[incoming_rank][None, :] + delta)
+    allowed = (
+        (delta > tolerance) & ~holds[incoming_rank[None, :], outgoing[:, None]] & ~holds[top_rank, incoming][None, :]
+    )
+    peak = np.where(allowed, peak, np.inf)
+    best = int(np.argmin(peak))
+    if not peak.flat[best] < top - tolerance:
+        return None
+    out_slot, in_index = divmod(best, incoming.shape[0])
+    return (top_rank, out_slot), (int(incoming_rank[in_index]), in_index % slots_per_rank)
+
+
+def relabel_to_old(layout: np.ndarray, old_layout: np.ndarray, ranks_per_block: int) -> np.ndarray:
+    """Permute the ranks of ``layout`` so each lands where most of its experts already are.
+
+    Blocks of ``ranks_per_block`` ranks (a node, for node-aware layouts) move as a whole, so
+    a node-aware layout stays node-aware. Experts a rank already held keep their old slot.
+    """
+    num_ranks = layout.shape[0]
+    num_logical = int(max(layout.max(), old_layout.max())) + 1
+    new_holds, old_holds = _holds(layout, num_logical), _holds(old_layout, num_logical)
+    overlap = new_holds.astype(np.int64) @ old_holds.T.astype(np.int64)  # [new rank, old rank]
+    num_blocks = num_ranks // ranks_per_block
+    block_overlap = overlap.reshape(num_blocks, ranks_per_block, num_blocks, ranks_per_block).sum(axis=(1, 3))
+    target_rank = np.empty(num_ranks, dtype=np.int64)
+    for new_block, old_block in _greedy_matching(block_overlap):
+        new_ranks = np.arange(ranks_per_block) + new_block * ranks_per_block
+        old_ranks = np.arange(ranks_per_block) + old_block * ranks_per_block
+        inner = overlap[np.ix_(new_ranks, old_ranks)]
+        for new_local, old_local in _greedy_matching(inner):
+            target_rank[new_ranks[new_local]] = old_ranks[old_local]
+    relabelled = np.empty_like(layout)
+    for new_rank, old_rank in enumerate(target_rank):
+        relabelled[old_rank] = _keep_slots(layout[new_rank], old_layout[old_rank])
+    return relabelled
+
+
+def _node_aware_layouts(weight: np.ndarray, shape: PlacementShape, options: PlacementOptions) -> np.ndarray:
+    """Groups packed onto nodes, then replicas counted and placed inside each node."""
+    layers = weight.shape[0]
+    group_size = shape.num_logical // shape.num_groups
+    groups_per_node = shape.num_groups // shape.num_nodes
+    experts_per_node = shape.num_logical // shape.num_nodes
+    ranks_per_node = shape.num_ranks // shape.num_nodes
+    group_node, group_rank = deepseek.balanced_packing(
+        weight.reshape(layers, shape.num_groups, group_size).sum(axis=2), shape.num_nodes
+    )
+    # node_experts[layer, node, i]: the global id of the node's i-th expert
+    local_index = (group_node * groups_per_node + group_rank)[:, :, None] * group_size + np.arange(group_size)
+    node_experts = np.empty((layers, shape.num_logical), dtype=np.int64)
+    np.put_along_axis(node_experts, local_index.reshape(layers, -1), np.arange(shape.num_logical)[None, :], axis=1)
+    node_experts = node_experts.reshape(layers * shape.num_nodes, experts_per_node)
+
+    node_weight = np.take_along_axis(weight.repeat(shape.num_nodes, axis=0), node_experts, axis=1)
+    node_counts = replica_counts_capped(node_weight, shape.num_physical // shape.num_nodes, cap=ranks_per_node)
+    local = _improved(fresh_layouts(node_weight, node_counts, ranks_per_node), node_weight / node_counts, options)
+    global_ids = np.take_along_axis(node_experts[:, None, :].repeat(ranks_per_node, axis=1), local, axis=2)
+    return global_ids.reshape(layers, shape.num_ranks, shape.slots_per_rank)
+
+
+def _improved(layouts: np.ndarray, replica_weight: np.ndarray, options: PlacementOptions) -> np.ndarray:
+    """``layouts`` after swaps, each row stopping near its lower bound (mean rank load, or the heaviest replica)."""
+    num_ranks = layouts.shape[1]
+    lower_bound = np.maximum(
+        np.take_along_axis(replica_weight, layouts.reshape(layouts.shape[0], -1), axis=1).sum(axis=1) / num_ranks,
+        replica_weight.max(axis=1),
+    )
+    for row in range(layouts.shape[0]):
+        target = lower_bound[row] * (1 + options.good_enough_slack)
+        improve_layout(layouts[row], replica_weight[row], target, options.max_swaps_per_rank * num_ranks)
+    return layouts
+
+
+def _incremental_layout(old_layout: np.ndarray, counts: np.ndarray, replica_weight: np.ndarray) -> np.ndarray:
+    """The old layout with replicas added and removed to match ``counts``; others stay in their slots."""
+    num_logical = counts.shape[0]
+    layout = np.where((old_layout >= 0) & (old_layout < num_logical), old_layout, _NO_EXPERT)
+    rank_expert = (np.arange(layout.shape[0])[:, None] * num_logical + layout).reshape(-1)
+    first_copy = np.zeros(rank_expert.shape[0], dtype=bool)
+    first_copy[np.unique(rank_expert, return_index=True)[1]] = True
+    layout.reshape(-1)[~first_copy] = _NO_EXPERT  # a second copy on one rank is surplus
+
+    def loads() -> np.ndarray:
+        return np.where(layout >= 0, replica_weight[np.maximum(layout, 0)], 0.0).sum(axis=1)
+
+    held = np.bincount(layout[layout >= 0], minlength=counts.shape[0])
+    for expert in np.flatnonzero(held > counts):
+        holders = np.flatnonzero((layout == expert).any(axis=1))
+        for rank in holders[np.argsort(-loads()[holders], kind="stable")][: held[expert] - counts[expert]]:
+            layout[rank][layout[rank] == expert] = _NO_EXPERT
+
+    missing = np.repeat(np.arange(counts.shape[0]), np.maximum(counts - held, 0))
+    rank_loads = loads()
+    for expert in missing[np.argsort(-replica_weight[missing], kind="stable")]:
+        free = (layout == _NO_EXPERT).any(axis=1)
+        allowed = free & ~(layout == expert).any(axis=1)
+        rank = int(np.argmin(np.where(allowed if allowed.any() else free, rank_loads, np.inf)))
+        layout[rank, int(np.argmax(layout[rank] == _NO_EXPERT))] = expert
+        rank_loads[rank] += replica_weight[expert]
+    _repair_duplicates(layout, replica_weight)
+    return layout
+
+
+def _repair_duplicates(layout: np.ndarray, replica_weight: np.ndarray) -> None:
+    """Swap away second copies of an expert on one rank, choosing the swap with the lowest peak."""
+    num_ranks, slots_per_rank = layout.shape
+    ordered = np.sort(layout, axis=1)
+    if not (ordered[:, 1:] == ordered[:, :-1]).any():
+        return
+    holds = _holds(layout, replica_weight.shape[0])
+    loads = replica_weight[layout].sum(axis=1)
+    for rank in range(num_ranks):
+        for slot in range(slots_per_rank):
+            expert = layout[rank, slot]
+            if int((layout[rank] == expert).sum()) < 2:
+                continue
+            other_rank = np.repeat(np.arange(num_ranks), slots_per_rank)
+            other = layout.reshape(-1)
+            delta = replica_weight[expert] - replica_weight[other]
+            allowed = (other_rank != rank) & ~holds[other_rank, expert] & ~holds[rank, other]
+            peak = np.where(allowed, np.maximum(loads[rank] - delta, loads[other_rank] + delta), np.inf)
+            best = int(np.argmin(peak))
+            if not np.isfinite(peak[best]):
+                raise ValueError("no duplicate-free placement exists for these replica counts")
+            _swap(layout, holds, loads, replica_weight, (rank, slot), divmod(best, slots_per_rank))
+            holds = _holds(layout, replica_weight.shape[0])
+
+
+def _swap(
+    layout: np.ndarray,
+    holds: np.ndarray,
+    loads: np.ndarray,
+    replica_weight: np.ndarray,
+    first: tuple[int, int],
+    second: tuple[int, int],
+) -> None:
+    (rank_a, slot_a), (rank_b, slot_b) = first, second
+    expert_a, expert_b = layout[rank_a, slot_a], layout[rank_b, slot_b]
+    layout[rank_a, slot_a], layout[rank_b, slot_b] = expert_b, expert_a
+    holds[rank_a, expert_a], holds[rank_b, expert_b] = False, False
+    holds[rank_a, expert_b], holds[rank_b, expert_a] = True, True
+    delta = replica_weight[expert_a] - replica_weight[expert_b]
+    loads[rank_a] -= delta
+    loads[rank_b] += delta
+
+
+def _keep_slots(experts: np.ndarray, old_slots: np.ndarray) -> np.ndarray:
+    """Order ``experts`` so that those already in ``old_slots`` stay in their old slot."""
+    arriving = experts.tolist()
+    ordered = np.full_like(old_slots, _NO_EXPERT)
+    for slot, expert in enumerate(old_slots.tolist()):
+        if expert in arriving:
+            ordered[slot] = expert
+            arriving.remove(expert)
+    ordered[ordered == _NO_EXPERT] = arriving
+    return ordered
+
+
+def _greedy_matching(overlap: np.ndarray) -> list[tuple[int, int]]:
+    """Pairs (row, column), largest overlap first; ties by index so the result is deterministic."""
+    order = np.argsort(-overlap, axis=None, kind="stable")
+    rows_used, columns_used, pairs = set(), set(), []
+    for flat in order.tolist():
+        row, column = divmod(flat, overlap.shape[1])
+        if row not in rows_used and column not in columns_used:
+            rows_used.add(row)
+            columns_used.add(column)
+            pairs.append((row, column))
+    return pairs
+
+
+def _holds(layout: np.ndarray, num_logical: int) -> np.ndarray:
+    holds = np.zeros((layout.shape[0], num_logical), dtype=bool)
+    rows, slots = np.nonzero(layout >= 0)
+    holds[rows, layout[rows, slots]] = True
+    return holds
+
+
+def _max_load(layouts: np.ndarray, weight: np.ndarray, num_ranks: int | None = None) -> np.ndarray:
+    """Max rank load per layer of ``layouts[layers, ranks, slots]`` (or ``[layers, physical]`` and ``num_ranks``)."""
+    ranks = layouts.shape[1] if num_ranks is None else num_ranks
+    return rank_loads(layouts.reshape(layouts.shape[0], -1), weight, ranks).max(axis=1)
