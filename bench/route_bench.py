@@ -382,7 +382,7 @@ from ray import serve
 from ray.serve.llm import LLMConfig, build_openai_app
 from ray.serve.llm.request_router import PrefixCacheAffinityRouter
 import ray
-ray.init(num_cpus=8, include_dashboard=False)
+ray.init(num_cpus=8, include_dashboard=%(dashboard)s, dashboard_host="127.0.0.1", dashboard_port=%(dashboard_port)d)
 config = LLMConfig(
     model_loading_config={"model_id": "%(name)s", "model_source": "%(model)s"},
     accelerator_config={"kind": "cpu"},
@@ -390,7 +390,7 @@ config = LLMConfig(
     engine_kwargs={"dtype": "float32", "kv_cache_memory_bytes": %(kv)d, "enable_prefix_caching": True,
                    "num_gpu_blocks_override": %(blocks)d, "max_model_len": 4096, "enable_prompt_tokens_details": True,
                    "compilation_config": {"mode": 2, "backend": "eager"}},
-    deployment_config={"num_replicas": 4, "request_router_config": {"request_router_class": PrefixCacheAffinityRouter}},
+    deployment_config={"num_replicas": %(replicas)d%(router)s},
 )
 serve.start(http_options={"host": "127.0.0.1", "port": %(port)d})
 serve.run(build_openai_app({"llm_configs": [config]}), blocking=False)
@@ -403,7 +403,17 @@ ray.shutdown()
 class RayServeLlm:
     def __init__(self, blocks: int, port: int) -> None:
         self.url = f"http://127.0.0.1:{port}"
-        script = RAY_APP % {"name": MODEL_NAME, "model": MODEL, "kv": 512 << 20, "blocks": blocks, "port": port}
+        script = RAY_APP % {
+            "name": MODEL_NAME,
+            "model": MODEL,
+            "kv": 512 << 20,
+            "blocks": blocks,
+            "port": port,
+            "replicas": 4,
+            "router": ', "request_router_config": {"request_router_class": PrefixCacheAffinityRouter}',
+            "dashboard": False,
+            "dashboard_port": port + 1,
+        }
         env = ENGINE_ENV | {"RAY_AUTH_MODE": "disabled", "FLOTILLA_CPU_RAY_PLUGIN": "0"}
         self.process = Process("ray-serve-llm", [sys.executable, "-c", script], env, RESULTS)
         wait_ready(self.url, self.process, timeout_s=1200)

@@ -1,4 +1,4 @@
-"""The ``flotilla`` command: serve, status, make-model."""
+"""The ``flotilla`` command: serve, status, drain, resume, restart, plan, eplb-demo, make-model."""
 
 from __future__ import annotations
 
@@ -43,6 +43,30 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_group_action(args: argparse.Namespace) -> int:
+    """drain / resume / restart one group through the coordinator."""
+    import ray
+    from ray.exceptions import RayTaskError
+
+    from cluster.group_api import COORDINATOR_NAME
+    from cluster.ray_connect import connect
+
+    try:
+        connect(args.address, args.namespace)
+        coordinator = ray.get_actor(COORDINATOR_NAME, namespace=args.namespace)
+    except (ConnectionError, ValueError) as err:
+        print(f"flotilla: no Flotilla coordinator at {args.address!r}: {err}", file=sys.stderr)
+        return 1
+    try:
+        group = ray.get(getattr(coordinator, args.action).remote(args.group), timeout=60)
+    except RayTaskError as err:
+        cause = err.cause
+        print(f"flotilla: {cause.args[0] if isinstance(cause, KeyError) else cause}", file=sys.stderr)
+        return 1
+    print(f"{group.name}: {group.state.value} ({group.detail})")
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from cluster.model_spec import ModelSpec, UnsupportedModelError
     from cluster.plan_report import render_json, render_text
@@ -82,6 +106,14 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eplb_demo(args: argparse.Namespace) -> int:
+    from cluster.eplb.demo import run_demo
+
+    return run_demo(
+        Path(args.model), args.ranks, args.redundant, args.duration_s, args.tokens_per_step, args.metrics_port, _say
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flotilla", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -99,6 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=cmd_status)
 
+    for action, description in (
+        ("drain", "take a group out of routing; its in-flight requests finish"),
+        ("resume", "put a drained group back into routing"),
+        ("restart", "gang-restart a group: out of routing, in-flight requests finish, then recreated"),
+    ):
+        command = commands.add_parser(action, help=description)
+        command.add_argument("group", help="group name, e.g. group-0 (see flotilla status)")
+        command.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+        command.add_argument("--namespace", default="flotilla")
+        command.set_defaults(func=cmd_group_action, action=action)
+
     plan = commands.add_parser("plan", help="rank TP/PP/DP/EP layouts for a model on a cluster, and say why")
     plan.add_argument("--model", required=True, help="model folder or config.json")
     plan.add_argument("--nodes", type=int, required=True)
@@ -111,6 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--latency-sensitive", action="store_true", help="rank by per-token latency")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=cmd_plan)
+
+    eplb_demo = commands.add_parser(
+        "eplb-demo", help="CPU expert parallelism on the tiny MoE model, rebalanced live by the EPLB controller"
+    )
+    eplb_demo.add_argument("--model", default="models/tiny-mixtral", help="Mixtral-style model folder")
+    eplb_demo.add_argument("--ranks", type=int, default=4, help="EP ranks, one Ray actor each (default: 4)")
+    eplb_demo.add_argument("--redundant", type=int, help="redundant expert slots (default: one per rank)")
+    eplb_demo.add_argument("--duration-s", type=float, default=60.0, help="serve for this long (default: 60)")
+    eplb_demo.add_argument("--tokens-per-step", type=int, default=256)
+    eplb_demo.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    eplb_demo.set_defaults(func=cmd_eplb_demo)
 
     make_model = commands.add_parser("make-model", help="build the tiny test models (Hugging Face folders)")
     make_model.add_argument(

@@ -20,7 +20,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from router.settings import RoutingConfig
+from cluster.lifecycle import RecoveryConfig
+from router.settings import FailoverConfig, RoutingConfig
 
 # Engine arguments that Flotilla sets itself from the fields above.
 RESERVED_ENGINE_ARGS = frozenset(
@@ -141,6 +142,8 @@ class ServeConfig(_Strict):
     )
     cpu: CpuEngineDefaults = CpuEngineDefaults()
     routing: RoutingConfig = RoutingConfig()
+    failover: FailoverConfig = FailoverConfig()
+    coordinator: RecoveryConfig = RecoveryConfig()
     ingress: IngressConfig = IngressConfig()
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)

@@ -1,8 +1,10 @@
-"""A replica group's lifecycle, seen from the process that owns it.
+"""One replica group's Ray resources: its placement group, its leader actor, and their teardown.
 
 One group = one placement group + one leader actor + the vLLM worker actors that the
 leader's engine creates inside that placement group. ``ReplicaGroup.start`` walks
-placement → engine start (workers, weights, KV cache) → ready and reports each step.
+placement → engine start (workers, weights, KV cache) → ready and reports each step;
+``teardown`` removes all of it at once (the gang). Both are detached from their creator, so
+a coordinator that dies and comes back finds its groups still serving (``adopt``).
 """
 
 from __future__ import annotations
@@ -15,12 +17,17 @@ from enum import StrEnum
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.placement_group import (
+    get_placement_group,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.engine import EngineSpec
 from cluster.group_api import LEADER_NAMESPACE, leader_actor_name
-from cluster.leader import EngineInfo, GroupLeader
+from cluster.leader import EngineInfo, GroupLeader, LeaderPhase
 from cluster.placement import (
     LEADER_BUNDLE_INDEX,
     RankAssignment,
@@ -29,10 +36,12 @@ from cluster.placement import (
     plan_bundles,
 )
 
+LEADER_SHUTDOWN_TIMEOUT_S = 10.0
 
-class GroupState(StrEnum):
+
+class StartStep(StrEnum):
     PLACING = "placing"
-    STARTING = "starting"
+    STARTING_ENGINE = "starting_engine"
     READY = "ready"
     FAILED = "failed"
     STOPPED = "stopped"
@@ -47,49 +56,52 @@ class ReplicaGroup:
     name: str
     spec: EngineSpec
     leader_cpus: float = 1.0
-    state: GroupState = GroupState.PLACING
+    namespace: str = LEADER_NAMESPACE
+    step: StartStep = StartStep.PLACING
     ranks: list[RankAssignment] = field(default_factory=list)
     info: EngineInfo | None = None
+    instance_id: str | None = None
     error: str | None = None
     step_durations_s: dict[str, float] = field(default_factory=dict)
     placement_group: Any = None
     leader: Any = None
 
     async def start(self, timeout_s: float, on_progress: Callable[[ReplicaGroup], None] | None = None) -> None:
-        """Place, start and wait for the engine; raises on failure or timeout (state says why)."""
+        """Place, start and wait for the engine; raises on failure or timeout (``error`` says why)."""
         notify = on_progress or (lambda group: None)
         try:
             await asyncio.wait_for(self._start(notify), timeout_s)
         except Exception as err:
             if self.error is None:
                 what = f"not ready after {timeout_s:.0f} s" if isinstance(err, TimeoutError) else str(err)
-                self.error = f"{self.state.value}: {what}"
-            self.state = GroupState.FAILED
+                self.error = f"{self.step.value}: {what}"
+            self.step = StartStep.FAILED
             notify(self)
             raise
 
     async def _start(self, notify: Callable[[ReplicaGroup], None]) -> None:
         tp, pp = self.spec.tensor_parallel_size, self.spec.pipeline_parallel_size
         plan = plan_bundles(tp, pp, self.leader_cpus)
-        self.state = GroupState.PLACING
+        self.step = StartStep.PLACING
         notify(self)
         began = time.monotonic()
         self.placement_group = placement_group(
-            plan.bundles, strategy=plan.strategy, name=placement_group_name(self.name)
+            plan.bundles, strategy=plan.strategy, name=placement_group_name(self.name), lifetime="detached"
         )
         await self.placement_group.ready()
         bundle_nodes = placement_group_table(self.placement_group)["bundles_to_node_id"]
         self.ranks = assign_ranks([bundle_nodes[i] for i in range(len(plan.bundles))], tp, pp)
         self.step_durations_s["placement"] = time.monotonic() - began
 
-        self.state = GroupState.STARTING
+        self.step = StartStep.STARTING_ENGINE
         notify(self)
         began = time.monotonic()
         self.leader = (
             ray.remote(GroupLeader)
             .options(
                 name=leader_actor_name(self.name),
-                namespace=LEADER_NAMESPACE,
+                namespace=self.namespace,
+                lifetime="detached",
                 num_cpus=self.leader_cpus,
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -99,19 +111,70 @@ class ReplicaGroup:
             .remote(self.name, self.spec, self.placement_group, bundle_indices_env(self.ranks))
         )
         self.info = await self.leader.start.remote()
+        self.instance_id = self.info.vllm_instance_id
         self.step_durations_s["engine"] = time.monotonic() - began
-        self.state = GroupState.READY
+        self.step = StartStep.READY
         notify(self)
 
-    def stop(self) -> None:
-        if self.leader is not None:
+    async def adopt(self) -> bool:
+        """Take over a ready group left by a previous owner (a coordinator that restarted)."""
+        try:
+            leader = ray.get_actor(leader_actor_name(self.name), namespace=self.namespace)
+            description = await leader.describe.remote()
+        except Exception:
+            return False
+        if description.phase is not LeaderPhase.READY or description.info is None:
+            return False
+        self.leader, self.info, self.instance_id = leader, description.info, description.vllm_instance_id
+        self.placement_group = get_placement_group(placement_group_name(self.name))
+        self.step = StartStep.READY
+        return True
+
+    async def teardown(self, graceful: bool = True) -> None:
+        """Kill the leader (its engine and workers go with it) and remove the placement group.
+
+        ``graceful`` first asks the engine to shut down (skipped after a failure: a hung leader
+        would only delay the restart). Also finds leftovers by name, from a previous owner too.
+        """
+        leader = self.leader
+        if leader is None:
             try:
-                ray.get(self.leader.shutdown.remote(), timeout=30)
-            except Exception:
-                pass
-            ray.kill(self.leader, no_restart=True)
-            self.leader = None
-        if self.placement_group is not None:
-            remove_placement_group(self.placement_group)
-            self.placement_group = None
-        self.state = GroupState.STOPPED
+                leader = ray.get_actor(leader_actor_name(self.name), namespace=self.namespace)
+            except ValueError:
+                leader = None
+        if leader is not None:
+            if graceful:
+                try:
+                    await asyncio.wait_for(leader.shutdown.remote(), LEADER_SHUTDOWN_TIMEOUT_S)
+                except Exception:
+                    pass
+            ray.kill(leader, no_restart=True)
+        pg = self.placement_group
+        if pg is None:
+            try:
+                pg = get_placement_group(placement_group_name(self.name))
+            except ValueError:
+                pg = None
+        if pg is not None:
+            remove_placement_group(pg)  # kills every actor still in it: the worker ranks
+        self.leader, self.placement_group = None, None
+        self.step = StartStep.STOPPED
+
+    def stop(self) -> None:
+        """Blocking teardown, for callers outside an event loop."""
+        asyncio.run(self.teardown())
+
+    def describe_step(self) -> str:
+        if self.step is StartStep.PLACING:
+            return "placement: reserving bundles …"
+        if self.step is StartStep.STARTING_ENGINE:
+            stages = sorted({(a.pp_rank, a.node_id[:8]) for a in self.ranks})
+            where = ", ".join(f"PP{pp}→node {node}" for pp, node in stages)
+            return f"placed ({where}) in {self.step_durations_s['placement']:.1f} s; loading weights, KV cache …"
+        if self.step is StartStep.READY and self.info is not None:
+            return (
+                f"ready in {sum(self.step_durations_s.values()):.1f} s "
+                f"({self.info.num_kv_blocks} KV blocks × {self.info.block_size} tokens, "
+                f"max_model_len {self.info.max_model_len})"
+            )
+        return f"{self.step.value}: {self.error or ''}"

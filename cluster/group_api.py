@@ -16,8 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+
+if TYPE_CHECKING:
+    from cluster.leader import EngineInfo
 
 LEADER_NAMESPACE = "flotilla"
 
@@ -112,3 +116,96 @@ def encode_outputs(batch: list[RequestOutput]) -> bytes:
 def decode_outputs(payload: bytes) -> list[RequestOutput]:
     """Typed decoding: a malformed or foreign message raises, it never builds arbitrary objects."""
     return _decoder.decode(payload)
+
+
+# --- group membership, published by the coordinator to every ingress replica -------------------
+
+
+class GroupState(StrEnum):
+    """A group's lifecycle as the coordinator drives it; only ``READY`` groups receive requests."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    RESTARTING = "restarting"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+DURATION_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+@dataclass(slots=True)
+class DurationHistogram:
+    """Cumulative observations the coordinator keeps and each ingress exports as a Prometheus histogram."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * len(DURATION_BUCKETS_S))
+    count: int = 0
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        for i, bound in enumerate(DURATION_BUCKETS_S):
+            if seconds <= bound:
+                self.counts[i] += 1
+        self.count += 1
+        self.total += seconds
+
+
+@dataclass(slots=True)
+class GroupSnapshot:
+    """One group in a membership snapshot."""
+
+    name: str
+    state: GroupState
+    generation: int
+    """Incremented at every (re)start: a new generation is a new engine with an empty cache."""
+    leader: Any
+    """Ray ActorHandle of the group's GroupLeader; None while none is up."""
+    info: EngineInfo | None
+    instance_id: str | None
+    detail: str
+    """What the group is doing or why it is not ready, in words."""
+    since: float
+    """Wall-clock time the group entered ``state``."""
+    restarts: dict[str, int] = field(default_factory=dict)
+    """Gang restarts so far, per reason kind."""
+    last_failure: str | None = None
+
+
+@dataclass(slots=True)
+class GroupEvent:
+    """One failure of a group and what followed; wall-clock times (``time.time()``)."""
+
+    group: str
+    reason: str
+    kind: str
+    """Short reason class: leader_died, engine_dead, worker_died, hang, request_failed, operator."""
+    last_healthy_at: float
+    detected_at: float
+    back_in_routing_at: float | None = None
+    failed: bool = False
+    """True when the restart budget ran out and the group was marked failed."""
+
+
+@dataclass(slots=True)
+class Membership:
+    """Every group as the coordinator sees it; ``version`` grows with every change."""
+
+    version: int
+    coordinator_started_at: float
+    groups: list[GroupSnapshot]
+    detection: DurationHistogram = field(default_factory=DurationHistogram)
+    """Time from a group's last good health check to the detected failure."""
+    recovery: DurationHistogram = field(default_factory=DurationHistogram)
+    """Time a failed group spent out of routing until it was ready again."""
+    events: list[GroupEvent] = field(default_factory=list)
+    """The latest failures and recoveries, oldest first (bounded)."""
+
+    def ready(self) -> list[GroupSnapshot]:
+        return [g for g in self.groups if g.state is GroupState.READY]
+
+    def group(self, name: str) -> GroupSnapshot | None:
+        return next((g for g in self.groups if g.name == name), None)
+
+
+COORDINATOR_NAME = "flotilla-coordinator"

@@ -12,7 +12,8 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any, cast
 
 import psutil
 import ray
@@ -20,15 +21,17 @@ from ray import serve
 
 from cluster.config import ConfigError, ServeConfig
 from cluster.engine import EngineSpec, unknown_engine_args
-from cluster.group import GroupState, ReplicaGroup
-from cluster.group_api import LEADER_NAMESPACE
+from cluster.group_api import LEADER_NAMESPACE, GroupState, Membership
 from cluster.layout import check_capacity, check_layout
+from cluster.leader import EngineInfo
 from cluster.local_ray import LocalCluster, LocalClusterShape
 from cluster.model_spec import ModelSpec, UnsupportedModelError
 from cluster.planner import GIB, ClusterSpec, LinkKind, Workload, choose_for_groups
 
 SERVE_APP_NAME = "flotilla"
 HEARTBEAT_S = 10.0
+PROGRESS_POLL_S = 0.5
+COORDINATOR_SHUTDOWN_TIMEOUT_S = 120.0
 INGRESS_REACHABLE_TIMEOUT_S = 60.0
 
 Say = Callable[[str], None]
@@ -109,11 +112,11 @@ def _planning_cluster(config: ServeConfig) -> ClusterSpec:
 
 @dataclass
 class Deployment:
-    """A running Flotilla: cluster, groups and ingress."""
+    """A running Flotilla: cluster, coordinator (which owns the groups) and ingress."""
 
     config: ServeConfig
     cluster: LocalCluster | None
-    groups: list[ReplicaGroup] = field(default_factory=list)
+    coordinator: Any = None
 
     @property
     def url(self) -> str:
@@ -125,8 +128,12 @@ class Deployment:
             serve.shutdown()
         except Exception as err:  # a half-started Serve must not block the rest of the teardown
             say(f"serve shutdown: {err}")
-        for group in self.groups:
-            group.stop()
+        if self.coordinator is not None:
+            try:
+                ray.get(self.coordinator.shutdown.remote(), timeout=COORDINATOR_SHUTDOWN_TIMEOUT_S)
+            except Exception as err:
+                say(f"coordinator shutdown: {err}")
+            ray.kill(self.coordinator, no_restart=True)
         if self.cluster is not None:
             self.cluster.shutdown()
         else:
@@ -145,11 +152,10 @@ async def start(config: ServeConfig, say: Say, verbose: bool = False) -> Deploym
     deployment = Deployment(config, cluster=_start_ray(config, say, verbose))
     try:
         _check_cluster_slots(config)
-        deployment.groups = [
-            ReplicaGroup(group_name(i), _engine_spec(config, deployment.cluster)) for i in range(config.groups)
-        ]
-        await _start_groups(deployment.groups, config.startup_timeout_s, say)
-        _deploy_ingress(deployment)
+        deployment.coordinator = _start_coordinator(config, deployment.cluster)
+        membership = await _wait_for_groups(deployment.coordinator, say)
+        await deployment.coordinator.serving_started.remote()
+        _deploy_ingress(deployment, membership)
     except BaseException:
         deployment.shutdown(say)
         raise
@@ -203,59 +209,54 @@ def _engine_spec(config: ServeConfig, cluster: LocalCluster | None) -> EngineSpe
     )
 
 
-async def _start_groups(groups: list[ReplicaGroup], timeout_s: float, say: Say) -> None:
-    started = time.monotonic()
+def _start_coordinator(config: ServeConfig, cluster: LocalCluster | None) -> Any:
+    from cluster.coordinator import Coordinator, coordinator_actor_options
 
-    def report(group: ReplicaGroup) -> None:
-        say(f"[{group.name}] {_describe_step(group)}")
-
-    async def heartbeat() -> None:
-        while True:
-            await asyncio.sleep(HEARTBEAT_S)
-            for group in groups:
-                if group.state in (GroupState.PLACING, GroupState.STARTING):
-                    say(f"[{group.name}] {_describe_step(group)} ({time.monotonic() - started:.0f} s)")
-
-    ticker = asyncio.create_task(heartbeat())
-    try:
-        results = await asyncio.gather(*(g.start(timeout_s, report) for g in groups), return_exceptions=True)
-    finally:
-        ticker.cancel()
-    failed = [(g, r) for g, r in zip(groups, results, strict=True) if isinstance(r, BaseException)]
-    if failed:
-        raise RuntimeError("; ".join(f"{g.name} failed: {g.error or r}" for g, r in failed))
+    spec = _engine_spec(config, cluster)
+    groups = {group_name(i): spec for i in range(config.groups)}
+    actor = ray.remote(Coordinator).options(**coordinator_actor_options(LEADER_NAMESPACE))
+    return actor.remote(groups, config.coordinator, config.startup_timeout_s, LEADER_NAMESPACE)
 
 
-def _describe_step(group: ReplicaGroup) -> str:
-    if group.state is GroupState.PLACING:
-        return "placement: reserving bundles …"
-    if group.state is GroupState.STARTING:
-        stages = sorted({(a.pp_rank, a.node_id[:8]) for a in group.ranks})
-        where = ", ".join(f"PP{pp}→node {node}" for pp, node in stages)
-        return f"placed ({where}) in {group.step_durations_s['placement']:.1f} s; loading weights, KV cache …"
-    if group.state is GroupState.READY and group.info is not None:
-        return (
-            f"ready in {sum(group.step_durations_s.values()):.1f} s "
-            f"({group.info.num_kv_blocks} KV blocks × {group.info.block_size} tokens, "
-            f"max_model_len {group.info.max_model_len})"
-        )
-    return f"{group.state.value}: {group.error or ''}"
+async def _wait_for_groups(coordinator: Any, say: Say) -> Membership:
+    """Print each group's progress until all are ready; raise when one cannot start."""
+    await coordinator.start.remote()
+    started = last_heartbeat = time.monotonic()
+    said: dict[str, str] = {}
+    while True:
+        membership: Membership = await coordinator.get_membership.remote()
+        heartbeat = time.monotonic() - last_heartbeat >= HEARTBEAT_S
+        for group in membership.groups:
+            if said.get(group.name) != group.detail:
+                say(f"[{group.name}] {group.detail}")
+            elif heartbeat and group.state is GroupState.STARTING:
+                say(f"[{group.name}] {group.detail} ({time.monotonic() - started:.0f} s)")
+            said[group.name] = group.detail
+        if heartbeat:
+            last_heartbeat = time.monotonic()
+        failed = [g for g in membership.groups if g.state is GroupState.FAILED]
+        if failed:
+            raise RuntimeError("; ".join(f"{g.name} failed: {g.detail}" for g in failed))
+        if len(membership.ready()) == len(membership.groups):
+            return membership
+        await asyncio.sleep(PROGRESS_POLL_S)
 
 
-def _deploy_ingress(deployment: Deployment) -> None:
+def _deploy_ingress(deployment: Deployment, membership: Membership) -> None:
     from router.ingress import OpenAIIngress
     from router.settings import IngressSettings
 
     config = deployment.config
-    infos = [g.info for g in deployment.groups if g.info is not None]
+    infos = [cast(EngineInfo, g.info) for g in membership.ready()]
     settings = IngressSettings(
         model_name=config.model_name,
         model_path=str(config.model_path),
         max_model_len=min(info.max_model_len for info in infos),
-        group_names=[g.name for g in deployment.groups],
+        block_size=infos[0].block_size,
         routing=config.routing,
+        failover=config.failover,
         admin_token=os.environ.get(config.admin_token_env) or None,
-        leader_namespace=LEADER_NAMESPACE,
+        namespace=LEADER_NAMESPACE,
     )
     serve.start(http_options={"host": config.host, "port": config.port}, detached=False)
     ingress = OpenAIIngress.options(num_replicas=config.ingress.replicas)  # type: ignore[attr-defined]

@@ -68,6 +68,17 @@ class LoadReport:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaderHealth:
+    """What the coordinator's periodic check learns from a leader."""
+
+    engine_alive: bool
+    error: str | None
+    unfinished_requests: int
+    seconds_since_progress: float
+    """Since the engine last produced output, or since it got work while idle."""
+
+
+@dataclass(frozen=True, slots=True)
 class LeaderDescription:
     group_name: str
     phase: LeaderPhase
@@ -165,6 +176,8 @@ class GroupLeader:
         """Start ``request``; its output is pushed to the ingress channel at ``address``."""
         if self.phase is not LeaderPhase.READY:
             raise GroupEngineError(EngineErrorKind.ENGINE_DEAD, f"group {self.group_name} is {self.phase.value}")
+        if self.num_unfinished_requests() == 0:
+            self._scheduler_stats.progressed()  # an idle engine has made no progress for good reason
         channel = self._channel(channel_id, address)
         channel.requests[request.request_id] = asyncio.create_task(self._run(channel, request))
 
@@ -229,6 +242,23 @@ class GroupLeader:
             raise GroupEngineError(EngineErrorKind.ENGINE_DEAD, f"group {self.group_name} has no engine")
         await self.engine.check_health()
 
+    async def health(self) -> LeaderHealth:
+        """Engine liveness (vLLM marks it dead when a worker dies) and progress (a frozen rank stalls it)."""
+        error = None
+        if self.engine is None or self.phase is not LeaderPhase.READY:
+            error = self.error or f"group {self.group_name} is {self.phase.value}"
+        else:
+            try:
+                await self.engine.check_health()
+            except Exception as err:
+                error = f"{type(err).__name__}: {err}"
+        return LeaderHealth(
+            engine_alive=error is None,
+            error=error,
+            unfinished_requests=self.num_unfinished_requests(),
+            seconds_since_progress=time.monotonic() - self._scheduler_stats.progress_at,
+        )
+
     def load(self) -> LoadReport:
         stats = self._scheduler_stats.latest
         return LoadReport(
@@ -286,6 +316,10 @@ class SchedulerStatsRecorder:
 
     def __init__(self) -> None:
         self.latest: Any = None
+        self.progress_at = time.monotonic()
+
+    def progressed(self) -> None:
+        self.progress_at = time.monotonic()
 
     def logger_factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -299,6 +333,7 @@ class SchedulerStatsRecorder:
             def record(
                 self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
             ) -> None:
+                recorder.progressed()
                 if scheduler_stats is not None:
                     recorder.latest = scheduler_stats
 

@@ -71,6 +71,18 @@ class LocalCluster:
             ray.init(address=self._multi_node.address, namespace=namespace, log_to_driver=log_to_driver)
         self.address: str = ray.get_runtime_context().gcs_address
 
+    def nodes(self) -> list[Any]:
+        """The simulated nodes (``ray._private.node.Node``), head first; only for a multi-node cluster."""
+        if self._multi_node is None:
+            raise RuntimeError("a single-node cluster has no simulated nodes")
+        return list(self._multi_node.list_all_nodes())
+
+    def remove_node(self, node: Any) -> None:
+        """Kill every process of one simulated node at once, as a machine failure would."""
+        if self._multi_node is None:
+            raise RuntimeError("a single-node cluster has no simulated nodes")
+        self._multi_node.remove_node(node, allow_graceful=False)
+
     def shutdown(self) -> None:
         ray.shutdown()
         if self._multi_node is not None:

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import ray
 
-from cluster.group_api import leader_actor_name
+from cluster.group_api import COORDINATOR_NAME, Membership, leader_actor_name
 from cluster.leader import LeaderDescription
 from cluster.text_table import format_table
 
@@ -49,6 +49,10 @@ class GroupStatus:
     ranks: list[RankStatus] = field(default_factory=list)
     max_model_len: int | None = None
     num_kv_blocks: int | None = None
+    detail: str | None = None
+    """The coordinator's account of the group (what it is doing, or why it is not ready)."""
+    restarts: dict[str, int] = field(default_factory=dict)
+    last_failure: str | None = None
 
 
 def vllm_worker_actor_name(instance_id: str, rank: int, tp: int, pp: int) -> str:
@@ -69,19 +73,42 @@ def collect(namespace: str) -> list[GroupStatus]:
     actors: dict[str, Any] = {}
     listed: list[Any]
     try:
-        listed = list_actors(detail=True, limit=10_000, raise_on_missing_output=False)
+        listed = list_actors(
+            address=ray.get_runtime_context().gcs_address, detail=True, limit=10_000, raise_on_missing_output=False
+        )
     except ServerUnavailable:
         listed = []
     for actor in listed:
         if actor.name and (actor.name not in actors or actor.state == "ALIVE"):
             actors[actor.name] = actor
     bundle_nodes = {pg_id: pg["bundles_to_node_id"] for pg_id, pg in ray.util.placement_group_table().items()}
-    leader_names = sorted(
+    leader_names = {
         entry["name"]
         for entry in ray.util.list_named_actors(all_namespaces=True)
         if entry["namespace"] == namespace and entry["name"].startswith(LEADER_PREFIX)
-    )
-    return [_group_status(name, namespace, actors, bundle_nodes) for name in leader_names]
+    }
+    membership = coordinator_membership(namespace)
+    groups = {g.name: g for g in membership.groups} if membership else {}
+    leader_names |= {leader_actor_name(name) for name in groups}
+    statuses = []
+    for name in sorted(leader_names):
+        status = _group_status(name, namespace, actors, bundle_nodes)
+        lifecycle = groups.get(status.name)
+        if lifecycle is not None:  # the coordinator's state is the one routing follows
+            status.state, status.detail = lifecycle.state.value, lifecycle.detail
+            status.restarts, status.last_failure = dict(lifecycle.restarts), lifecycle.last_failure
+            if lifecycle.state.value != "ready" and status.error and status.error.startswith("ValueError"):
+                status.error = None  # no leader while restarting or failed: the detail says why
+        statuses.append(status)
+    return statuses
+
+
+def coordinator_membership(namespace: str) -> Membership | None:
+    try:
+        coordinator = ray.get_actor(COORDINATOR_NAME, namespace=namespace)
+        return cast(Membership, ray.get(coordinator.get_membership.remote(), timeout=DESCRIBE_TIMEOUT_S))
+    except Exception:
+        return None
 
 
 def _group_status(
@@ -141,7 +168,14 @@ def render_table(groups: list[GroupStatus]) -> str:
             role = f"rank {r.rank} (PP{r.pp_rank} TP{r.tp_rank})"
             rows.append(("", "", "", role, str(r.bundle), _short(r.node_id)) + _actor_cells(r.actor))
     lines = format_table(header, rows)
-    lines += [f"{g.name}: {g.error}" for g in groups if g.error]
+    for g in groups:
+        notes = [g.detail] if g.detail and g.state != "ready" else []
+        if g.restarts:
+            counts = ", ".join(f"{reason} {count}" for reason, count in sorted(g.restarts.items()))
+            notes.append(f"restarts: {sum(g.restarts.values())} ({counts}); last: {g.last_failure}")
+        if g.error:
+            notes.append(g.error)
+        lines += [f"{g.name}: {note}" for note in notes]
     return "\n".join(lines)
 
 

@@ -1,10 +1,14 @@
 """An ingress replica's live view of the replica groups it routes to.
 
+Membership comes from the coordinator: the replica follows its snapshots (``watch``) and
+routes only to ready groups. A group that leaves ``ready`` leaves routing at once; one that
+comes back with a new engine (a gang restart) gets a fresh channel, an empty prefix index
+and a new KV-event feed. If the coordinator is down, the last snapshot stays in force.
+
 Per group: the output channel to its leader, the engine facts (block size, KV capacity, event
 endpoints), a KV-event feed into the prefix index, and the engine load read every
-``load_poll_s``. A group whose engine instance changed (it was restarted) has its cached
-blocks forgotten at once and its event feed reconnected. A group whose events stop while
-prefills are routed to it falls back to approximate matching.
+``load_poll_s``. A group whose events stop while prefills are routed to it falls back to
+approximate matching.
 """
 
 from __future__ import annotations
@@ -13,11 +17,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import ray
 
-from cluster.group_api import leader_actor_name
+from cluster.group_api import COORDINATOR_NAME, GroupSnapshot, GroupState, Membership
 from router.group_channel import GroupChannel
 from router.kv_events import KvEventFeed
 from router.policies import make_policy
@@ -26,6 +30,7 @@ from router.routing import Decision, EngineLoad, Router
 from router.settings import IngressSettings
 
 logger = logging.getLogger(__name__)
+COORDINATOR_RETRY_S = 0.5
 
 
 @dataclass(slots=True)
@@ -35,64 +40,117 @@ class Member:
     channel: GroupChannel
     info: Any  # cluster.leader.EngineInfo
     instance_id: str | None
+    routable: bool = True
     feed: KvEventFeed | None = None
     events_due_by: float | None = None
     """Set when a prefill was routed here on precise knowledge; cleared by any event."""
 
 
 class GroupDirectory:
-    def __init__(
-        self, settings: IngressSettings, leaders: dict[str, Any], descriptions: dict[str, Any], host: str
-    ) -> None:
+    def __init__(self, settings: IngressSettings, coordinator: Any, membership: Membership, host: str) -> None:
         self.settings = settings
         self.routing = settings.routing
-        block_sizes = {d.info.block_size for d in descriptions.values()}
-        if len(block_sizes) != 1:
-            raise RuntimeError(f"groups disagree on the KV block size: {block_sizes}")
+        self.coordinator = coordinator
+        self.host = host
         self.index = PrefixIndex()
-        self.router = Router(make_policy(self.routing.policy, self.routing.params), block_sizes.pop(), self.index)
+        self.router = Router(make_policy(self.routing.policy, self.routing.params), settings.block_size, self.index)
         self.members: dict[str, Member] = {}
-        for name, leader in leaders.items():
-            description = descriptions[name]
-            self.members[name] = Member(
-                name, leader, GroupChannel(leader, host), description.info, description.vllm_instance_id
-            )
-            self.router.add_group(name, description.info.num_kv_blocks)
-        self._poller: asyncio.Task[None] | None = None
+        self.membership = Membership(-1, membership.coordinator_started_at, [])
+        self._started = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self.apply(membership)
 
     @classmethod
     def connect(cls, settings: IngressSettings) -> GroupDirectory:
-        """Find every group's leader actor by name and read its engine facts."""
-        leaders = {
-            name: ray.get_actor(leader_actor_name(name), namespace=settings.leader_namespace)
-            for name in settings.group_names
-        }
-        described: list[Any] = ray.get([leader.describe.remote() for leader in leaders.values()])
-        return cls(settings, leaders, dict(zip(leaders, described, strict=True)), ray.util.get_node_ip_address())
+        """Find the coordinator by name and take its current membership."""
+        coordinator = ray.get_actor(COORDINATOR_NAME, namespace=settings.namespace)
+        membership = cast(Membership, ray.get(coordinator.get_membership.remote()))  # type: ignore[call-overload]
+        return cls(settings, coordinator, membership, ray.util.get_node_ip_address())
+
+    # --- membership --------------------------------------------------------------------------------
+    def apply(self, membership: Membership) -> None:
+        """Route to exactly the ready groups of ``membership``."""
+        for snapshot in membership.groups:
+            member = self.members.get(snapshot.name)
+            if snapshot.state is GroupState.READY:
+                if member is None or member.instance_id != snapshot.instance_id:
+                    self._admit(snapshot, member)
+                elif not member.routable:
+                    self.router.add_group(member.name, member.info.num_kv_blocks)
+                    member.routable = True
+            elif member is not None and member.routable:
+                # Out of routing now; requests in flight finish, or fail when the leader is killed.
+                self.router.remove_group(member.name)
+                member.routable = False
+        self.membership = membership
+
+    def _admit(self, snapshot: GroupSnapshot, previous: Member | None) -> None:
+        info = snapshot.info
+        assert info is not None
+        if info.block_size != self.router.block_size:
+            logger.error(
+                "group %s has KV block size %s, not %s; not routing to it",
+                snapshot.name,
+                info.block_size,
+                self.router.block_size,
+            )
+            return
+        if previous is not None:
+            self._retire(previous)
+        member = Member(
+            snapshot.name, snapshot.leader, GroupChannel(snapshot.leader, self.host), info, snapshot.instance_id
+        )
+        self.members[member.name] = member
+        self.router.remove_group(member.name)  # a new engine caches nothing: start from an empty index
+        self.router.add_group(member.name, info.num_kv_blocks)
+        if self._started:
+            self._start_feed(member)
+
+    def _retire(self, member: Member) -> None:
+        if member.feed is not None:
+            member.feed.stop()
+            member.feed = None
+        member.channel.close()
+
+    def is_current(self, member: Member) -> bool:
+        return self.members.get(member.name) is member and member.routable
+
+    def report_failure(self, member: Member, error: str) -> None:
+        """Ask the coordinator to check the group now (fire and forget)."""
+        try:
+            self.coordinator.report_failure.remote(member.name, member.instance_id, error)
+        except Exception as err:
+            logger.warning("could not report %s's failure to the coordinator: %s", member.name, err)
 
     # --- lifecycle -------------------------------------------------------------------------------
     def ensure_started(self) -> None:
-        """Start the load poller and event feeds (needs the replica's running event loop)."""
-        if self._poller is not None and not self._poller.done():
+        """Start following membership, the load poller and event feeds (needs the running event loop)."""
+        if self._started and all(not task.done() for task in self._tasks):
             return
-        for member in self.members.values():
-            self._start_feed(member)
-        self._poller = asyncio.create_task(self._poll_forever())
+        for task in self._tasks:
+            task.cancel()
+        if not self._started:
+            for member in self.members.values():
+                self._start_feed(member)
+        self._started = True
+        self._tasks = [asyncio.create_task(self._poll_forever()), asyncio.create_task(self._follow_membership())]
 
     def set_policy(self, name: str, params: dict[str, Any]) -> None:
         self.router.policy = make_policy(name, params)
 
     async def reset_prefix_caches(self) -> dict[str, bool]:
         """Empty every engine's prefix cache and the index (benchmarks start each arm cold)."""
-        names = list(self.members)
+        names = [name for name, member in self.members.items() if member.routable]
         done = await asyncio.gather(*(self.members[n].leader.reset_prefix_cache.remote() for n in names))
         for name in names:
             self.index.clear(name)
         return dict(zip(names, done, strict=True))
 
     # --- requests ----------------------------------------------------------------------------------
-    def route(self, request_id: str, prompt_token_ids: list[int]) -> tuple[Decision, Member]:
-        decision = self.router.route(request_id, prompt_token_ids)
+    def route(
+        self, request_id: str, prompt_token_ids: list[int], exclude: frozenset[str] = frozenset()
+    ) -> tuple[Decision, Member]:
+        decision = self.router.route(request_id, prompt_token_ids, exclude)
         return decision, self.members[decision.group]
 
     def first_token(self, decision: Decision) -> None:
@@ -128,9 +186,25 @@ class GroupDirectory:
         if not self.index.is_precise(group):
             self.index.set_precise(group, True)
 
+    async def _follow_membership(self) -> None:
+        while True:
+            known = self.membership
+            try:
+                membership = await self.coordinator.watch.remote(known.version, known.coordinator_started_at)
+            except Exception as err:  # the coordinator is restarting: keep routing on the last snapshot
+                logger.warning("coordinator unavailable (%s); routing on the last membership", type(err).__name__)
+                await asyncio.sleep(COORDINATOR_RETRY_S)
+                continue
+            if (membership.version, membership.coordinator_started_at) != (
+                known.version,
+                known.coordinator_started_at,
+            ):
+                self.apply(membership)
+
     async def _poll_forever(self) -> None:
         while True:
-            await asyncio.gather(*(self._poll(member) for member in list(self.members.values())))
+            routable = [member for member in self.members.values() if member.routable]
+            await asyncio.gather(*(self._poll(member) for member in routable))
             await asyncio.sleep(self.routing.load_poll_s)
 
     async def _poll(self, member: Member) -> None:
@@ -140,17 +214,7 @@ class GroupDirectory:
             logger.debug("load of %s unavailable: %s", member.name, err)
             return
         self.router.update_engine_load(member.name, EngineLoad(report.running, report.waiting, report.kv_usage))
-        if report.vllm_instance_id and report.vllm_instance_id != member.instance_id:
-            await self._engine_restarted(member, report.vllm_instance_id)
         if member.events_due_by is not None and time.monotonic() > member.events_due_by:
             logger.warning("no KV events from %s; routing it on approximate knowledge", member.name)
             self.index.set_precise(member.name, False)
             member.events_due_by = None
-
-    async def _engine_restarted(self, member: Member, instance_id: str) -> None:
-        """A new engine caches nothing: forget the old one's blocks and follow the new one's events."""
-        description = await member.leader.describe.remote()
-        member.info, member.instance_id = description.info, instance_id
-        self.router.reset_group(member.name)
-        self.index.add_group(member.name, description.info.num_kv_blocks)
-        self._start_feed(member)

@@ -8,6 +8,7 @@ A client that disconnects has its engine request aborted.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -26,6 +27,8 @@ from cluster.group_api import (
     EngineErrorKind,
     GenerateChunk,
     GroupEngineError,
+    GroupSnapshot,
+    Membership,
 )
 from router.engine_metrics import merge_group_metrics
 from router.group_directory import GroupDirectory, Member
@@ -48,6 +51,7 @@ RequestT = TypeVar("RequestT", bound=BaseModel)
 SSE_DONE = b"data: [DONE]\n\n"
 NO_GROUP_RETRY_AFTER_S = 5
 ENGINE_METRICS_TIMEOUT_S = 2.0
+COORDINATOR_TIMEOUT_S = 5.0
 
 
 class RoutingUpdate(BaseModel):
@@ -123,6 +127,31 @@ async def _prepend(
         yield chunk
 
 
+GROUP_ACTIONS = frozenset({"drain", "resume", "restart"})
+
+
+def group_json(group: GroupSnapshot) -> dict[str, Any]:
+    return {
+        "name": group.name,
+        "state": group.state.value,
+        "generation": group.generation,
+        "detail": group.detail,
+        "since": group.since,
+        "restarts": group.restarts,
+        "last_failure": group.last_failure,
+        "instance_id": group.instance_id,
+    }
+
+
+def membership_json(membership: Membership) -> dict[str, Any]:
+    return {
+        "version": membership.version,
+        "coordinator_started_at": membership.coordinator_started_at,
+        "groups": [group_json(g) for g in membership.groups],
+        "events": [dataclasses.asdict(e) for e in membership.events],
+    }
+
+
 def _sse_event(payload: BaseModel) -> bytes:
     return b"data: " + payload.model_dump_json().encode() + b"\n\n"
 
@@ -135,14 +164,23 @@ class OpenAIIngress:
     def __init__(self, settings: IngressSettings) -> None:
         self.settings = settings
         self.tokenizer = PromptTokenizer(settings.model_path)
-        self.stats = IngressMetrics()
         self.directory = GroupDirectory.connect(settings)
+        self.stats = IngressMetrics(membership=lambda: self.directory.membership)
 
     @app.get("/health")
     async def health(self) -> Response:
-        if not self.directory.members:
-            raise OpenAIError(503, "no replica group is ready", type="service_unavailable")
-        return JSONResponse({"status": "ok", "groups": sorted(self.directory.members)})
+        """200 while at least one group is routable (the ingress itself is up either way)."""
+        self.directory.ensure_started()
+        ready = sorted(self.directory.router.group_names)
+        if not ready:
+            raise OpenAIError(
+                503,
+                "no replica group is ready",
+                type="service_unavailable",
+                code="no_ready_group",
+                headers={"Retry-After": str(NO_GROUP_RETRY_AFTER_S)},
+            )
+        return JSONResponse({"status": "ok", "groups": ready})
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -166,6 +204,33 @@ class OpenAIIngress:
         except ValueError as err:
             raise bad_request(str(err), "policy") from None
         return JSONResponse({"policy": body.policy, "params": body.params})
+
+    @app.get("/admin/groups")
+    async def groups(self, request: Request) -> Response:
+        self._authorize(request)
+        try:
+            call = self.directory.coordinator.get_membership.remote()
+            membership = await asyncio.wait_for(asyncio.wrap_future(call.future()), COORDINATOR_TIMEOUT_S)
+            available = True
+        except Exception:  # the coordinator is restarting: what this replica routes by
+            membership, available = self.directory.membership, False
+        return JSONResponse(membership_json(membership) | {"coordinator_available": available})
+
+    @app.post("/admin/groups/{group}/{action}")
+    async def group_action(self, request: Request, group: str, action: str) -> Response:
+        self._authorize(request)
+        if action not in GROUP_ACTIONS:
+            raise OpenAIError(404, f"unknown action {action!r}; one of {sorted(GROUP_ACTIONS)}", code="404")
+        try:
+            snapshot = await getattr(self.directory.coordinator, action).remote(group)
+        except Exception as err:
+            cause = err.cause if isinstance(err, RayTaskError) else err
+            if isinstance(cause, KeyError):
+                raise OpenAIError(404, str(cause.args[0]), param="group", code="group_not_found") from None
+            if isinstance(cause, ValueError):
+                raise OpenAIError(409, str(cause), param="group", code="conflict") from None
+            raise OpenAIError(503, f"the coordinator did not answer: {cause}", type="service_unavailable") from None
+        return JSONResponse(group_json(snapshot))
 
     def _authorize(self, request: Request) -> None:
         token = self.settings.admin_token
@@ -239,11 +304,11 @@ class OpenAIIngress:
         body_out = prepared.formatter.full("".join(parts), last.finish_reason, totals)
         return Response(body_out.model_dump_json(), media_type="application/json")
 
-    def _route(self, prepared: PreparedRequest) -> tuple[Decision, Member]:
+    def _route(self, prepared: PreparedRequest, exclude: frozenset[str]) -> tuple[Decision, Member]:
         request = prepared.generate
         self.directory.ensure_started()
         try:
-            decision, member = self.directory.route(request.request_id, request.prompt_token_ids)
+            decision, member = self.directory.route(request.request_id, request.prompt_token_ids, exclude)
         except NoRoutableGroup as err:
             raise OpenAIError(
                 503,
@@ -256,20 +321,37 @@ class OpenAIIngress:
         return decision, member
 
     async def _generate(self, prepared: PreparedRequest) -> AsyncGenerator[GenerateChunk, None]:
-        decision, member = self._route(prepared)
+        """Chunks from a group. A group that fails before any chunk reached the client (non-streaming
+        requests get a single final chunk) is reported to the coordinator and the request is retried
+        on another group, up to ``failover.max_attempts`` groups."""
         request = prepared.generate
-        output: list[int] = []
-        try:
-            async for chunk in member.channel.generate(request):
-                if not output and chunk.token_ids:
-                    self.directory.first_token(decision)
-                output += chunk.token_ids
-                yield chunk
-        except (RayTaskError, RayActorError, GroupEngineError) as err:
-            raise _engine_error(err, member.name) from None
-        finally:
-            self.directory.finished(decision, output)
-            self.stats.record_finished(member.name, len(request.prompt_token_ids), len(output))
+        failed: set[str] = set()
+        while True:
+            decision, member = self._route(prepared, frozenset(failed))
+            output: list[int] = []
+            delivered = False
+            try:
+                async for chunk in member.channel.generate(request):
+                    if not output and chunk.token_ids:
+                        self.directory.first_token(decision)
+                    output += chunk.token_ids
+                    delivered = True
+                    yield chunk
+                return
+            except (RayTaskError, RayActorError, GroupEngineError) as err:
+                error = _engine_error(err, member.name)
+                if error.status_code == 400:
+                    raise error from None
+                self.directory.report_failure(member, str(error.message))
+                failed.add(member.name)
+                if delivered or len(failed) >= self.settings.failover.max_attempts:
+                    raise error from None
+                reason = err.kind.value if isinstance(err, GroupEngineError) else type(err).__name__
+                self.stats.requests_retried.labels(reason).inc()
+                logger.warning("request %s: %s; retrying on another group", request.request_id, error.message)
+            finally:
+                self.directory.finished(decision, output)
+                self.stats.record_finished(member.name, len(request.prompt_token_ids), len(output))
 
     async def _sse(
         self,

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from cluster.group_api import DURATION_BUCKETS_S, DurationHistogram, GroupState, Membership
 from router.policies import GroupView
 from router.routing import Decision
 
@@ -15,8 +18,16 @@ RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0)
 
 
 class IngressMetrics:
-    def __init__(self) -> None:
+    def __init__(self, membership: Callable[[], Membership] | None = None) -> None:
         self.registry = CollectorRegistry()
+        if membership is not None:
+            self.registry.register(MembershipCollector(membership))
+        self.requests_retried = Counter(
+            "flotilla_requests_retried",
+            "Requests retried on another group after their group failed them before any token reached the client.",
+            ["reason"],
+            registry=self.registry,
+        )
         self.requests = Counter(
             "flotilla_requests",
             "HTTP requests answered by the ingress, by endpoint and status code.",
@@ -109,3 +120,51 @@ class IngressMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class MembershipCollector(Collector):
+    """Group lifecycle metrics from the coordinator's latest membership snapshot.
+
+    Every ingress replica exports the same values (like kube-state-metrics replicas do):
+    aggregate them with ``max by (group)``.
+    """
+
+    def __init__(self, membership: Callable[[], Membership]) -> None:
+        self.membership = membership
+
+    def collect(self) -> Iterator[Metric]:
+        membership = self.membership()
+        state = GaugeMetricFamily(
+            "flotilla_group_state",
+            "1 for the state each group is in (only ready groups are routed to).",
+            labels=["group", "state"],
+        )
+        restarts = CounterMetricFamily(
+            "flotilla_group_restarts", "Gang restarts of each group, by reason.", labels=["group", "reason"]
+        )
+        for group in membership.groups:
+            for candidate in GroupState:
+                state.add_metric([group.name, candidate.value], float(group.state is candidate))
+            for reason, count in group.restarts.items():
+                restarts.add_metric([group.name, reason], count)
+        yield state
+        yield restarts
+        yield _histogram(
+            "flotilla_group_detection_seconds",
+            "From a group's last good health check to its detected failure.",
+            membership.detection,
+        )
+        yield _histogram(
+            "flotilla_group_recovery_seconds",
+            "How long a failed group stayed out of routing before it was ready again.",
+            membership.recovery,
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+def _histogram(name: str, documentation: str, histogram: DurationHistogram) -> HistogramMetricFamily:
+    buckets = [(str(bound), float(count)) for bound, count in zip(DURATION_BUCKETS_S, histogram.counts, strict=True)]
+    buckets.append(("+Inf", float(histogram.count)))
+    return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=histogram.total)

@@ -78,15 +78,20 @@ class Router:
         return [self._names[row] for row in self._live_rows]
 
     def add_group(self, name: str, capacity_blocks: int) -> None:
+        """Route to ``name`` (again). A returning group keeps this router's own count of its requests
+        still in flight (they finish against it) but not its old engine load."""
         self.index.add_group(name, capacity_blocks)
-        if name in self._rows:
+        row = self._rows.get(name)
+        if row is not None and self._live[row]:
             return
-        row = len(self._names)
-        if row == len(self._live):
-            self._grow()
-        self._rows[name] = row
-        self._names.append(name)
-        for column in (self._in_flight, self._pending, self._running, self._waiting, self._kv_usage):
+        if row is None:
+            row = len(self._names)
+            if row == len(self._live):
+                self._grow()
+            self._rows[name] = row
+            self._names.append(name)
+            self._in_flight[row] = self._pending[row] = 0
+        for column in (self._running, self._waiting, self._kv_usage):
             column[row] = 0
         self._live[row] = True
         self._live_rows = np.flatnonzero(self._live)
@@ -119,10 +124,15 @@ class Router:
         )
 
     # --- requests ----------------------------------------------------------------------------
-    def route(self, request_id: str, prompt_token_ids: list[int]) -> Decision:
+    def route(self, request_id: str, prompt_token_ids: list[int], exclude: frozenset[str] = frozenset()) -> Decision:
+        """Pick a group for the request; ``exclude`` names groups that already failed it."""
         rows = self._live_rows
+        if exclude:
+            rows = rows[~np.isin(rows, [self._rows[name] for name in exclude if name in self._rows])]
         if not len(rows):
-            raise NoRoutableGroup("no replica group is routable")
+            raise NoRoutableGroup(
+                "no replica group is routable" + (" (the others failed this request)" if exclude else "")
+            )
         started = self._clock()
         matches = self.index.match(self._keyer.iter_keys(prompt_token_ids))  # hashes only as far as it matches
         request = RoutingRequest(request_id, prompt_token_ids, self.block_size)

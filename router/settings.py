@@ -38,13 +38,29 @@ class RoutingConfig(BaseModel):
         return self
 
 
+class FailoverConfig(BaseModel):
+    """What the ingress does when a group fails a request it was serving."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_attempts: int = Field(
+        3,
+        ge=1,
+        description=(
+            "Groups tried per request. A request that fails with an engine or actor error before any token reached "
+            "the client (always the case for non-streaming requests) is retried on another group."
+        ),
+    )
+
+
 class IngressSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model_name: str
     model_path: str
     max_model_len: int
-    group_names: list[str]
+    block_size: int = Field(..., description="KV block size of every group's engine (the router hashes by it).")
     routing: RoutingConfig = RoutingConfig()
-    leader_namespace: str = LEADER_NAMESPACE
+    failover: FailoverConfig = FailoverConfig()
+    namespace: str = Field(LEADER_NAMESPACE, description="Ray namespace of the coordinator and the group leaders.")
     admin_token: str | None = Field(None, description="Bearer token for /admin/*; None disables those endpoints.")

@@ -38,7 +38,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def flotilla_serve(config: str = "examples/local-cpu.yaml") -> Iterator[Server]:
+def flotilla_serve(config: str = "examples/local-cpu.yaml", env: dict[str, str] | None = None) -> Iterator[Server]:
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "serve", "--config", config, "--port", str(port)],
@@ -46,7 +46,7 @@ def flotilla_serve(config: str = "examples/local-cpu.yaml") -> Iterator[Server]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+        env=os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {}),
     )
     lines: list[str] = []
     ready = threading.Event()
@@ -63,7 +63,11 @@ def flotilla_serve(config: str = "examples/local-cpu.yaml") -> Iterator[Server]:
     try:
         if not ready.wait(STARTUP_TIMEOUT_S) or process.poll() is not None:
             raise RuntimeError("flotilla serve did not become ready:\n" + "\n".join(lines[-60:]))
-        address = next(m.group(1) for line in lines if (m := re.search(r"local Ray cluster: .* at (\S+) in", line)))
+        address = next(
+            m.group(1) or m.group(2)
+            for line in lines
+            if (m := re.search(r"local Ray cluster: .* at (\S+) in|joined Ray cluster at (\S+)", line))
+        )
         yield Server(f"http://127.0.0.1:{port}", address, process, lines)
     finally:
         if process.poll() is None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -12,10 +10,9 @@ from bench.workloads import hot_prefix, optimal_hit_rate, shared_prefix
 from cluster.sim_cluster import Session, SimCluster, Turn
 from cluster.sim_engine import SimEngineConfig
 from router.block_keys import block_keys
-from router.group_directory import GroupDirectory
 from router.policies import make_policy
 from router.routing import EngineLoad, Router
-from router.settings import IngressSettings, RoutingConfig
+from router.settings import RoutingConfig
 
 BLOCK = 128
 VOCAB = list(range(100, 1000))
@@ -149,72 +146,3 @@ def test_unknown_policy_parameters_are_errors() -> None:
         make_policy("cache_aware", {"decode_wieght": 1})
     with pytest.raises(ValueError, match="unknown routing policy"):
         RoutingConfig(policy="cache_awre")
-
-
-# --- the ingress's group directory: a restart detected from the engine's load reports -------------
-
-
-@dataclass
-class Info:
-    block_size: int = BLOCK
-    num_kv_blocks: int = 1000
-    kv_events_endpoint: str | None = None
-    kv_events_replay_endpoint: str | None = None
-
-
-@dataclass
-class Description:
-    info: Info
-    vllm_instance_id: str
-
-
-@dataclass
-class Report:
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    vllm_instance_id: str = "engine-1"
-
-
-class Method:
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def remote(self, *args: Any) -> Any:
-        async def call() -> Any:
-            return self.fn(*args)
-
-        return call()
-
-
-class FakeLeader:
-    def __init__(self) -> None:
-        self.instance = "engine-1"
-        self.load = Method(lambda: Report(vllm_instance_id=self.instance))
-        self.describe = Method(lambda: Description(Info(), self.instance))
-
-
-def test_directory_forgets_a_group_whose_engine_was_restarted() -> None:
-    leaders = {"g": FakeLeader(), "h": FakeLeader()}
-    settings = IngressSettings(
-        model_name="m",
-        model_path="/m",
-        max_model_len=4096,
-        group_names=["g", "h"],
-        routing=RoutingConfig(kv_events=False),
-    )
-    directory = GroupDirectory(settings, leaders, {n: Description(Info(), "engine-1") for n in leaders}, "127.0.0.1")
-    decision, member = directory.route("x", PROMPT)
-    directory.first_token(decision)
-    assert directory.router.route("y", PROMPT).best_matched_blocks == 4
-
-    async def poll(restart: bool) -> None:
-        if restart:
-            leaders[member.name].instance = "engine-2"
-        await directory._poll(directory.members[member.name])
-
-    asyncio.run(poll(restart=False))
-    assert directory.router.route("z", PROMPT).best_matched_blocks == 4
-    asyncio.run(poll(restart=True))
-    assert directory.members[member.name].instance_id == "engine-2"
-    assert directory.router.route("w", PROMPT).best_matched_blocks == 0

@@ -1,0 +1,433 @@
+"""The coordinator: one named Ray actor that owns every replica group's lifecycle.
+
+States: starting → ready ⇄ draining; any failure → restarting → ready (or failed when the
+restart budget runs out). Health checks run per group every ``health_period_s``:
+
+* the leader answers ``health()`` within ``health_timeout_s`` (else: leader died or hung);
+* the engine is alive (vLLM marks it dead when one of its worker actors dies);
+* the engine made progress in the last ``hang_timeout_s`` while it had work (a frozen rank or a
+  stuck collective stalls every step without killing anything);
+* every worker actor in the group's placement group is alive (read from Ray's state API).
+
+A failure anywhere restarts the whole group (LeaderWorkerSet's ``RecreateGroupOnPodRestart``):
+it leaves routing at once, its leader is killed and its placement group removed (which kills
+the workers), and it is recreated. Other groups are never touched. Every change is published
+as a :class:`Membership` snapshot that ingress replicas follow (``watch``).
+
+Groups and their placement groups are detached actors: if the coordinator dies, serving goes
+on, and Ray restarts the coordinator, which re-adopts the ready groups it finds by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.engine import EngineSpec
+from cluster.group import ReplicaGroup, StartStep
+from cluster.group_api import (
+    COORDINATOR_NAME,
+    DurationHistogram,
+    GroupEvent,
+    GroupSnapshot,
+    GroupState,
+    Membership,
+)
+from cluster.lifecycle import RecoveryConfig, RestartBudget
+
+logger = logging.getLogger(__name__)
+MAX_EVENTS = 100
+WATCH_TIMEOUT_S = 30.0
+
+
+class UnknownGroup(KeyError):
+    pass
+
+
+@dataclass
+class GroupRecord:
+    """The coordinator's state for one group (the Ray resources live in ``runtime``)."""
+
+    name: str
+    spec: EngineSpec
+    budget: RestartBudget
+    runtime: ReplicaGroup
+    state: GroupState = GroupState.STARTING
+    generation: int = 0
+    detail: str = "waiting to start"
+    since: float = field(default_factory=time.time)
+    last_healthy_at: float = field(default_factory=time.time)
+    last_worker_check: float = 0.0
+    restarts: dict[str, int] = field(default_factory=dict)
+    last_failure: str | None = None
+    task: asyncio.Task[Any] | None = None
+    """The restart or start in progress, if any."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    kind: str
+    reason: str
+
+
+class Coordinator:
+    def __init__(
+        self,
+        groups: dict[str, EngineSpec],
+        recovery: RecoveryConfig,
+        startup_timeout_s: float,
+        namespace: str,
+    ) -> None:
+        self.recovery = recovery
+        self.startup_timeout_s = startup_timeout_s
+        self.namespace = namespace
+        self.started_at = time.time()
+        self.records = {
+            name: GroupRecord(name, spec, RestartBudget(recovery), ReplicaGroup(name, spec, namespace=namespace))
+            for name, spec in groups.items()
+        }
+        self.version = 0
+        self.events: list[GroupEvent] = []
+        self.membership = self._snapshot()
+        self._changed = asyncio.Condition()
+        self._supervisor: asyncio.Task[None] | None = None
+        self._restarted = _was_restarted()
+        self._retry_on_failure = self._restarted
+        """False during the first start: a group that cannot start at all fails ``flotilla serve`` fast."""
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start (or, after a coordinator restart, adopt) every group, then supervise them.
+
+        Returns at once; ``get_membership()`` shows progress. Ray restarts a dead coordinator
+        without calling this, so every entry point below calls it too.
+        """
+        if self._supervisor is not None:
+            return
+        self._supervisor = asyncio.create_task(self._supervise())
+        adopted = [False] * len(self.records)
+        if self._restarted:
+            adopted = await asyncio.gather(*(record.runtime.adopt() for record in self.records.values()))
+            logger.warning("coordinator restarted: adopted %d of %d groups", sum(adopted), len(adopted))
+        for record, ready in zip(self.records.values(), adopted, strict=True):
+            if ready:
+                self._set_state(record, GroupState.READY, "adopted after a coordinator restart")
+            else:
+                record.task = asyncio.create_task(self._start_group(record))
+        await self._publish()
+
+    async def shutdown(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+        for record in self.records.values():
+            if record.task is not None:
+                record.task.cancel()
+        await asyncio.gather(*(record.runtime.teardown() for record in self.records.values()), return_exceptions=True)
+        for record in self.records.values():
+            self._set_state(record, GroupState.STOPPED, "stopped")
+        await self._publish()
+
+    def serving_started(self) -> None:
+        """From now on a group that fails to start is retried with backoff instead of failing fast."""
+        self._retry_on_failure = True
+
+    # --- what ingress replicas and operators call ---------------------------------------------------
+    async def get_membership(self) -> Membership:
+        await self.start()
+        return self.membership
+
+    async def watch(self, known_version: int, known_started_at: float) -> Membership:
+        """The next snapshot after ``known_version`` (or the current one after a while).
+
+        A caller that knew a previous coordinator (``known_started_at`` differs) gets the current one at once.
+        """
+        await self.start()
+        async with self._changed:
+            if self.version <= known_version and known_started_at == self.started_at:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), WATCH_TIMEOUT_S)
+                except TimeoutError:
+                    pass
+        return self.membership
+
+    async def report_failure(self, group: str, instance_id: str | None, error: str) -> None:
+        """An ingress saw a request fail with an engine or actor error: check that group now."""
+        await self.start()
+        record = self._record(group)
+        if record.state is not GroupState.READY or (instance_id and instance_id != record.runtime.instance_id):
+            return  # already handled, or about an engine that is gone
+        failure = await self._probe(record, time.time())
+        if failure is not None:
+            self._begin_restart(record, failure)
+            await self._publish()
+
+    async def drain(self, group: str) -> GroupSnapshot:
+        await self.start()
+        record = self._record(group)
+        if record.state is not GroupState.READY:
+            raise ValueError(f"group {group} is {record.state.value}; only a ready group can be drained")
+        self._set_state(record, GroupState.DRAINING, "drained by an operator: no new requests")
+        await self._publish()
+        return self._group_snapshot(record)
+
+    async def resume(self, group: str) -> GroupSnapshot:
+        await self.start()
+        record = self._record(group)
+        if record.state is not GroupState.DRAINING:
+            raise ValueError(f"group {group} is {record.state.value}; only a draining group can be resumed")
+        self._set_state(record, GroupState.READY, "resumed by an operator")
+        await self._publish()
+        return self._group_snapshot(record)
+
+    async def restart(self, group: str) -> GroupSnapshot:
+        """Operator restart: out of routing now, in-flight requests finish (up to drain_timeout_s), then recreate."""
+        record = self._record(group)
+        await self.start()
+        if record.state in (GroupState.RESTARTING, GroupState.STARTING, GroupState.STOPPED):
+            raise ValueError(f"group {group} is already {record.state.value}")
+        record.budget.failures.clear()  # an operator's restart also gives a failed group a fresh budget
+        self._begin_restart(record, Failure("operator", "restarted by an operator"), drain=True)
+        await self._publish()
+        return self._group_snapshot(record)
+
+    def ping(self) -> float:
+        return self.started_at
+
+    # --- supervision ------------------------------------------------------------------------------------
+    async def _supervise(self) -> None:
+        while True:
+            await asyncio.sleep(self.recovery.health_period_s)
+            await self._supervise_once()
+
+    async def _supervise_once(self) -> None:
+        now = time.time()
+        checked = [r for r in self.records.values() if r.state in (GroupState.READY, GroupState.DRAINING)]
+        failures = await asyncio.gather(*(self._probe(r, now) for r in checked), return_exceptions=True)
+        for record, failure in zip(checked, failures, strict=True):
+            if isinstance(failure, BaseException):
+                logger.error("health check of %s crashed: %r", record.name, failure)
+            elif failure is not None and record.state in (GroupState.READY, GroupState.DRAINING):
+                self._begin_restart(record, failure)
+        await self._publish()
+
+    async def _probe(self, record: GroupRecord, now: float) -> Failure | None:
+        leader = record.runtime.leader
+        if leader is None:
+            return Failure("leader_died", "the group has no leader")
+        try:
+            health = await asyncio.wait_for(leader.health.remote(), self.recovery.health_timeout_s)
+        except TimeoutError:
+            return Failure(
+                "hang", f"the leader did not answer a health check within {self.recovery.health_timeout_s} s"
+            )
+        except Exception as err:
+            return Failure("leader_died", f"leader unreachable: {type(err).__name__}: {_first_line(err)}")
+        if not health.engine_alive:
+            return Failure("engine_dead", f"engine dead: {_first_line(health.error)}")
+        if health.unfinished_requests and health.seconds_since_progress > self.recovery.hang_timeout_s:
+            return Failure(
+                "hang",
+                f"no engine progress for {health.seconds_since_progress:.1f} s with "
+                f"{health.unfinished_requests} unfinished request(s)",
+            )
+        if now - record.last_worker_check >= self.recovery.worker_check_period_s:
+            dead = await asyncio.to_thread(_dead_workers, record.runtime.placement_group)
+            record.last_worker_check = now
+            if dead:
+                return Failure("worker_died", f"worker actor(s) dead: {', '.join(dead)}")
+        record.last_healthy_at = now
+        return None
+
+    def _begin_restart(self, record: GroupRecord, failure: Failure, drain: bool = False) -> None:
+        if record.state in (GroupState.RESTARTING, GroupState.STARTING, GroupState.STOPPED):
+            return  # someone else noticed first
+        detected = time.time()
+        event = GroupEvent(record.name, failure.reason, failure.kind, record.last_healthy_at, detected)
+        self._add_event(event)
+        record.restarts[failure.kind] = record.restarts.get(failure.kind, 0) + 1
+        record.last_failure = f"{failure.kind}: {failure.reason}"
+        self.membership.detection.observe(max(0.0, detected - record.last_healthy_at))
+        logger.warning("group %s: %s; restarting the whole group", record.name, record.last_failure)
+        self._set_state(record, GroupState.RESTARTING, f"restarting: {failure.reason}")
+        if record.task is not None:
+            record.task.cancel()
+        record.task = asyncio.create_task(self._restart(record, event, drain))
+
+    async def _restart(self, record: GroupRecord, event: GroupEvent, drain: bool) -> None:
+        await self._publish()  # out of routing before anything else happens
+        if drain:
+            await self._wait_idle(record)
+        while True:
+            await record.runtime.teardown(graceful=drain)
+            drain = False
+            delay = record.budget.next_delay(time.time())
+            if delay is None:
+                event.failed = True
+                self._set_state(
+                    record,
+                    GroupState.FAILED,
+                    f"failed: {len(record.budget.failures) - 1} restarts within {self.recovery.window_s:.0f} s; "
+                    f"last: {record.last_failure}",
+                )
+                logger.error("group %s failed: %s", record.name, record.detail)
+                await self._publish()
+                return
+            if delay:
+                record.detail = f"restarting in {delay:.0f} s (backoff): {record.last_failure}"
+                await self._publish()
+                await asyncio.sleep(delay)
+            if await self._start_group(record, restarting=True):
+                event.back_in_routing_at = time.time()
+                self.membership.recovery.observe(event.back_in_routing_at - event.detected_at)
+                await self._publish()
+                return
+            record.last_failure = f"start_failed: {record.runtime.error}"
+
+    async def _start_group(self, record: GroupRecord, restarting: bool = False) -> bool:
+        record.runtime = ReplicaGroup(record.name, record.spec, namespace=self.namespace)
+        record.generation += 1
+        state = GroupState.RESTARTING if restarting else GroupState.STARTING
+
+        def progress(group: ReplicaGroup) -> None:
+            if group.step is not StartStep.FAILED:
+                self._set_state(record, state, group.describe_step())
+                asyncio.get_running_loop().create_task(self._publish())
+
+        try:
+            await record.runtime.start(self.startup_timeout_s, progress)
+        except Exception:
+            if not restarting and not self._retry_on_failure:
+                self._set_state(record, GroupState.FAILED, record.runtime.describe_step())
+                await self._publish()
+                return False
+            if not restarting:  # a first start failing after serving began: restart it with backoff
+                self._begin_restart(record, Failure("start_failed", record.runtime.describe_step()))
+            return False
+        record.last_healthy_at = time.time()
+        self._set_state(record, GroupState.READY, record.runtime.describe_step())
+        await self._publish()
+        return True
+
+    async def _wait_idle(self, record: GroupRecord) -> None:
+        leader = record.runtime.leader
+        deadline = time.monotonic() + self.recovery.drain_timeout_s
+        while leader is not None and time.monotonic() < deadline:
+            try:
+                if await asyncio.wait_for(leader.num_unfinished_requests.remote(), self.recovery.health_timeout_s) == 0:
+                    return
+            except Exception:
+                return
+            await asyncio.sleep(self.recovery.health_period_s)
+
+    # --- snapshots --------------------------------------------------------------------------------------
+    def _record(self, group: str) -> GroupRecord:
+        try:
+            return self.records[group]
+        except KeyError:
+            raise UnknownGroup(f"no group named {group!r}; groups: {sorted(self.records)}") from None
+
+    def _set_state(self, record: GroupRecord, state: GroupState, detail: str) -> None:
+        if state is not record.state:
+            record.since = time.time()
+        record.state, record.detail = state, detail
+
+    def _add_event(self, event: GroupEvent) -> None:
+        self.events.append(event)
+        del self.events[:-MAX_EVENTS]
+
+    def _group_snapshot(self, record: GroupRecord) -> GroupSnapshot:
+        runtime = record.runtime
+        ready = record.state in (GroupState.READY, GroupState.DRAINING)
+        return GroupSnapshot(
+            name=record.name,
+            state=record.state,
+            generation=record.generation,
+            leader=runtime.leader if ready else None,
+            info=runtime.info if ready else None,
+            instance_id=runtime.instance_id if ready else None,
+            detail=record.detail,
+            since=record.since,
+            restarts=dict(record.restarts),
+            last_failure=record.last_failure,
+        )
+
+    def _snapshot(self) -> Membership:
+        previous = getattr(self, "membership", None)
+        return Membership(
+            version=self.version,
+            coordinator_started_at=self.started_at,
+            groups=[self._group_snapshot(r) for r in self.records.values()],
+            detection=previous.detection if previous else DurationHistogram(),
+            recovery=previous.recovery if previous else DurationHistogram(),
+            events=list(self.events),
+        )
+
+    async def _publish(self) -> None:
+        snapshot = self._snapshot()
+        if _same(snapshot, self.membership):
+            return
+        self.version += 1
+        snapshot.version = self.version
+        self.membership = snapshot
+        async with self._changed:
+            self._changed.notify_all()
+
+
+def _same(a: Membership, b: Membership) -> bool:
+    """Equal apart from the version (actor handles compare by identity, so compare generations)."""
+
+    def key(m: Membership) -> Any:
+        return (
+            [(g.name, g.state, g.generation, g.detail, g.instance_id, g.leader is None) for g in m.groups],
+            len(m.events),
+            [e.back_in_routing_at for e in m.events],
+        )
+
+    return key(a) == key(b)
+
+
+def _was_restarted() -> bool:
+    import ray
+
+    if not ray.is_initialized():  # not running as an actor (unit tests)
+        return False
+    return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+def _first_line(text: object) -> str:
+    return str(text).strip().splitlines()[0] if str(text).strip() else ""
+
+
+def _dead_workers(placement_group: Any) -> list[str]:
+    """Names of actors in the group's placement group that Ray reports dead (state API; empty without it)."""
+    if placement_group is None:
+        return []
+    import ray
+    from ray.util.state import list_actors
+
+    try:
+        actors = list_actors(
+            address=ray.get_runtime_context().gcs_address,  # "auto" is ambiguous when a machine runs two clusters
+            filters=[("placement_group_id", "=", placement_group.id.hex())],
+            limit=1000,
+            raise_on_missing_output=False,
+            timeout=5,
+        )
+    except Exception:
+        return []
+    return sorted(a.name or a.actor_id for a in actors if a.state == "DEAD")
+
+
+def coordinator_actor_options(namespace: str) -> dict[str, Any]:
+    """Named, restarted by Ray whenever it dies (it re-adopts the groups it finds)."""
+    return {
+        "name": COORDINATOR_NAME,
+        "namespace": namespace,
+        "lifetime": "detached",
+        "max_restarts": -1,
+        "max_concurrency": 1000,
+        "num_cpus": 0,
+    }

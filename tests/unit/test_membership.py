@@ -1,0 +1,296 @@
+"""Group lifecycle without Ray: the coordinator's state machine over fake groups, restart backoff,
+and an ingress directory following membership snapshots."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from cluster import coordinator as coordinator_module
+from cluster.coordinator import Coordinator, UnknownGroup
+from cluster.engine import EngineSpec
+from cluster.group import StartStep
+from cluster.group_api import GroupSnapshot, GroupState, Membership
+from cluster.leader import LeaderHealth
+from cluster.lifecycle import RecoveryConfig, RestartBudget
+from router.group_directory import GroupDirectory
+from router.routing import NoRoutableGroup
+from router.settings import IngressSettings, RoutingConfig
+
+BLOCK = 16
+PROMPT = list(range(100, 100 + 4 * BLOCK + 3))
+FAST = RecoveryConfig(health_period_s=0.01, hang_timeout_s=0.05, health_timeout_s=0.05, backoff_base_s=0.01)
+
+
+# --- restart budget --------------------------------------------------------------------------------
+
+
+def test_backoff_doubles_and_the_budget_runs_out() -> None:
+    budget = RestartBudget(RecoveryConfig(max_restarts=4, window_s=100, backoff_base_s=2, backoff_max_s=5))
+    assert [budget.next_delay(t) for t in (0, 1, 2, 3)] == [0.0, 2.0, 4.0, 5.0]
+    assert budget.next_delay(4) is None  # a fifth failure within the window
+
+
+def test_old_failures_leave_the_window() -> None:
+    budget = RestartBudget(RecoveryConfig(max_restarts=2, window_s=10))
+    assert budget.next_delay(0) == 0.0
+    assert budget.next_delay(1) is not None
+    assert budget.next_delay(20) == 0.0  # both earlier failures are older than the window
+
+
+# --- the coordinator over fake groups --------------------------------------------------------------
+
+
+@dataclass
+class FakeLeader:
+    health_result: LeaderHealth = field(default_factory=lambda: LeaderHealth(True, None, 0, 0.0))
+    dead: bool = False
+    frozen: bool = False
+
+    @property
+    def health(self) -> Any:
+        leader = self
+
+        class Call:
+            @staticmethod
+            async def remote() -> LeaderHealth:
+                if leader.frozen:
+                    await asyncio.sleep(3600)
+                if leader.dead:
+                    raise ConnectionError("actor died")
+                return leader.health_result
+
+        return Call
+
+    @property
+    def num_unfinished_requests(self) -> Any:
+        class Call:
+            @staticmethod
+            async def remote() -> int:
+                return 0
+
+        return Call
+
+
+class FakeGroup:
+    """Stands in for cluster.group.ReplicaGroup; every instance is one generation of a group."""
+
+    started: list[str] = []
+    fail_starts: set[str] = set()
+
+    def __init__(self, name: str, spec: EngineSpec, namespace: str = "") -> None:
+        self.name, self.spec = name, spec
+        self.step = StartStep.PLACING
+        self.leader: FakeLeader | None = None
+        self.info = None
+        self.instance_id: str | None = None
+        self.error: str | None = None
+        self.placement_group = None
+
+    async def start(self, timeout_s: float, on_progress: Any = None) -> None:
+        FakeGroup.started.append(self.name)
+        await asyncio.sleep(0.05)  # long enough for watchers to see the group start
+        if self.name in FakeGroup.fail_starts:
+            self.step, self.error = StartStep.FAILED, "engine would not start"
+            raise RuntimeError(self.error)
+        self.leader = FakeLeader()
+        self.instance_id = f"{self.name}-{len(FakeGroup.started)}"
+        self.step = StartStep.READY
+
+    async def adopt(self) -> bool:
+        return False
+
+    async def teardown(self, graceful: bool = True) -> None:
+        self.leader, self.step = None, StartStep.STOPPED
+
+    def describe_step(self) -> str:
+        return f"{self.step.value}: {self.error or ''}"
+
+
+@pytest.fixture
+def fake_groups(monkeypatch: pytest.MonkeyPatch) -> type[FakeGroup]:
+    FakeGroup.started, FakeGroup.fail_starts = [], set()
+    monkeypatch.setattr(coordinator_module, "ReplicaGroup", FakeGroup)
+    return FakeGroup
+
+
+def make_coordinator(recovery: RecoveryConfig = FAST) -> Coordinator:
+    spec = EngineSpec(model="m", served_model_name="m", tensor_parallel_size=1, pipeline_parallel_size=1)
+    return Coordinator({"g0": spec, "g1": spec}, recovery, startup_timeout_s=10, namespace="test")
+
+
+async def until(coordinator: Coordinator, condition: Any, timeout_s: float = 5.0) -> Membership:
+    """The first membership snapshot that satisfies ``condition`` (follows ``watch`` like an ingress)."""
+    membership = await coordinator.get_membership()
+    async with asyncio.timeout(timeout_s):
+        while not condition(membership):
+            membership = await coordinator.watch(membership.version, membership.coordinator_started_at)
+    return membership
+
+
+def state(membership: Membership, name: str) -> GroupState:
+    group = membership.group(name)
+    assert group is not None
+    return group.state
+
+
+def test_a_dead_leader_restarts_only_its_group(fake_groups: type[FakeGroup]) -> None:
+    async def scenario() -> None:
+        coordinator = make_coordinator()
+        await coordinator.start()
+        ready = await until(coordinator, lambda m: len(m.ready()) == 2)
+        first = {g.name: g.instance_id for g in ready.groups}
+        coordinator.records["g0"].runtime.leader.dead = True
+        restarting = await until(coordinator, lambda m: state(m, "g0") is GroupState.RESTARTING)
+        assert state(restarting, "g1") is GroupState.READY
+        back = await until(coordinator, lambda m: len(m.ready()) == 2)
+        g0, g1 = back.group("g0"), back.group("g1")
+        assert g0 is not None and g1 is not None
+        assert g0.instance_id != first["g0"] and g0.generation == 2 and g0.restarts == {"leader_died": 1}
+        assert g1.instance_id == first["g1"] and g1.generation == 1 and not g1.restarts
+        assert back.events[-1].kind == "leader_died" and back.events[-1].back_in_routing_at is not None
+        assert back.recovery.count == 1 and back.detection.count == 1
+        await coordinator.shutdown()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("fault", ["no_progress", "frozen_leader", "engine_dead"])
+def test_hangs_and_dead_engines_are_detected(fake_groups: type[FakeGroup], fault: str) -> None:
+    async def scenario() -> None:
+        coordinator = make_coordinator()
+        await coordinator.start()
+        await until(coordinator, lambda m: len(m.ready()) == 2)
+        leader = coordinator.records["g1"].runtime.leader
+        if fault == "no_progress":  # requests in the engine, no step for longer than hang_timeout_s
+            leader.health_result = LeaderHealth(True, None, unfinished_requests=3, seconds_since_progress=1.0)
+        elif fault == "frozen_leader":
+            leader.frozen = True
+        else:
+            leader.health_result = LeaderHealth(False, "EngineDeadError: worker died", 0, 0.0)
+        back = await until(coordinator, lambda m: (m.group("g1").generation == 2) and len(m.ready()) == 2)
+        expected = {"no_progress": "hang", "frozen_leader": "hang", "engine_dead": "engine_dead"}[fault]
+        assert back.group("g1").restarts == {expected: 1}
+        await coordinator.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_idle_engine_is_not_a_hang(fake_groups: type[FakeGroup]) -> None:
+    async def scenario() -> None:
+        coordinator = make_coordinator()
+        await coordinator.start()
+        await until(coordinator, lambda m: len(m.ready()) == 2)
+        leader = coordinator.records["g0"].runtime.leader
+        leader.health_result = LeaderHealth(True, None, unfinished_requests=0, seconds_since_progress=100.0)
+        for _ in range(20):
+            await coordinator._supervise_once()
+        assert coordinator.records["g0"].generation == 1
+        await coordinator.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_group_that_keeps_failing_is_marked_failed(fake_groups: type[FakeGroup]) -> None:
+    async def scenario() -> None:
+        coordinator = make_coordinator(FAST.model_copy(update={"max_restarts": 2}))
+        await coordinator.start()
+        await until(coordinator, lambda m: len(m.ready()) == 2)
+        coordinator.serving_started()
+        fake_groups.fail_starts.add("g0")
+        coordinator.records["g0"].runtime.leader.dead = True
+        failed = await until(coordinator, lambda m: state(m, "g0") is GroupState.FAILED)
+        g0 = failed.group("g0")
+        assert g0 is not None and "2 restarts" in g0.detail and "engine would not start" in g0.detail
+        assert state(failed, "g1") is GroupState.READY
+        assert failed.events[-1].failed
+        # an operator restart gives it a fresh budget
+        fake_groups.fail_starts.clear()
+        await coordinator.restart("g0")
+        await until(coordinator, lambda m: len(m.ready()) == 2)
+        await coordinator.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_group_that_cannot_start_fails_serve_fast(fake_groups: type[FakeGroup]) -> None:
+    async def scenario() -> None:
+        fake_groups.fail_starts.add("g1")
+        coordinator = make_coordinator()
+        await coordinator.start()
+        failed = await until(coordinator, lambda m: state(m, "g1") is GroupState.FAILED)
+        assert "engine would not start" in failed.group("g1").detail
+        assert fake_groups.started.count("g1") == 1  # no retries before serving began
+        await coordinator.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_drain_resume_and_unknown_groups(fake_groups: type[FakeGroup]) -> None:
+    async def scenario() -> None:
+        coordinator = make_coordinator()
+        await coordinator.start()
+        await until(coordinator, lambda m: len(m.ready()) == 2)
+        assert (await coordinator.drain("g0")).state is GroupState.DRAINING
+        with pytest.raises(ValueError, match="only a ready group"):
+            await coordinator.drain("g0")
+        assert (await coordinator.resume("g0")).state is GroupState.READY
+        with pytest.raises(UnknownGroup, match="g9"):
+            await coordinator.restart("g9")
+        await coordinator.shutdown()
+
+    asyncio.run(scenario())
+
+
+# --- an ingress directory following membership -------------------------------------------------------
+
+
+@dataclass
+class Info:
+    block_size: int = BLOCK
+    num_kv_blocks: int = 1000
+    max_model_len: int = 4096
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+
+
+def snapshot(name: str, state: GroupState, instance: str) -> GroupSnapshot:
+    ready = state in (GroupState.READY, GroupState.DRAINING)
+    return GroupSnapshot(
+        name, state, 1, object() if ready else None, Info() if ready else None, instance if ready else None, "", 0.0
+    )
+
+
+def membership(version: int, **groups: tuple[GroupState, str]) -> Membership:
+    return Membership(version, 1.0, [snapshot(name, st, inst) for name, (st, inst) in groups.items()])
+
+
+def test_directory_routes_exactly_the_ready_groups() -> None:
+    settings = IngressSettings(
+        model_name="m", model_path="/m", max_model_len=4096, block_size=BLOCK, routing=RoutingConfig(kv_events=False)
+    )
+    ready = GroupState.READY
+    directory = GroupDirectory(settings, None, membership(1, g=(ready, "e1"), h=(ready, "e1")), "127.0.0.1")
+    decision, member = directory.route("x", PROMPT)
+    directory.first_token(decision)
+    directory.finished(decision, [])
+    holder, other = member.name, ({"g", "h"} - {member.name}).pop()
+    assert directory.route("y", PROMPT)[0].best_matched_blocks == 4
+
+    directory.apply(membership(2, **{holder: (GroupState.RESTARTING, ""), other: (ready, "e1")}))
+    assert {directory.route(str(i), PROMPT)[1].name for i in range(5)} == {other}
+    with pytest.raises(NoRoutableGroup):
+        directory.route("z", PROMPT, exclude=frozenset({other}))
+
+    directory.apply(membership(3, **{holder: (ready, "e2"), other: (ready, "e1")}))
+    assert directory.members[holder].instance_id == "e2"
+    assert directory.index.size(holder) == 0  # the new engine caches nothing
+    assert holder in directory.router.group_names
+
+    directory.apply(membership(4, **{holder: (GroupState.DRAINING, "e2"), other: (ready, "e1")}))
+    assert directory.router.group_names == [other]
+    directory.apply(membership(5, **{holder: (ready, "e2"), other: (ready, "e1")}))
+    assert sorted(directory.router.group_names) == ["g", "h"]
