@@ -453,6 +453,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arms", default="flotilla,direct,sglang,ray", help="flotilla, flotilla2, direct, sglang, ray")
     parser.add_argument("--workloads", default="gsp,hot,multiturn,nosharing")
+    parser.add_argument(
+        "--two-ingress-workloads", default="gsp", help="workloads the flotilla2 arm (2 ingress replicas) runs"
+    )
     parser.add_argument("--blocks", type=int, default=48, help="KV blocks (128 tokens) per engine")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--no-docs", action="store_true")
@@ -471,7 +474,8 @@ def main() -> None:
         stack = FlotillaStack(args.blocks, replicas, BASE_PORT)
         try:
             policies = ["round_robin", "cache_aware"] if replicas == 1 else ["cache_aware"]
-            for workload in loads:
+            two_ingress = args.two_ingress_workloads.split(",")
+            for workload in loads if replicas == 1 else [w for w in loads if w.name in two_ingress]:
                 for policy in policies:
                     stack.prepare(policy)
                     arm = f"flotilla-{'rr' if policy == 'round_robin' else 'ca'}" + (

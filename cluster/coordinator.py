@@ -114,6 +114,7 @@ class Coordinator:
             logger.warning("coordinator restarted: adopted %d of %d groups", sum(adopted), len(adopted))
         for record, ready in zip(self.records.values(), adopted, strict=True):
             if ready:
+                record.generation = record.runtime.generation
                 self._set_state(record, GroupState.READY, "adopted after a coordinator restart")
             else:
                 record.task = asyncio.create_task(self._start_group(record))
@@ -287,8 +288,8 @@ class Coordinator:
             record.last_failure = f"start_failed: {record.runtime.error}"
 
     async def _start_group(self, record: GroupRecord, restarting: bool = False) -> bool:
-        record.runtime = ReplicaGroup(record.name, record.spec, namespace=self.namespace)
         record.generation += 1
+        record.runtime = ReplicaGroup(record.name, record.spec, namespace=self.namespace, generation=record.generation)
         state = GroupState.RESTARTING if restarting else GroupState.STARTING
 
         def progress(group: ReplicaGroup) -> None:
@@ -422,8 +423,13 @@ def _dead_workers(placement_group: Any) -> list[str]:
 
 
 def coordinator_actor_options(namespace: str) -> dict[str, Any]:
-    """Named, restarted by Ray whenever it dies (it re-adopts the groups it finds)."""
+    """Named, restarted by Ray whenever it dies (it re-adopts the groups it finds), and kept on this
+    node (the head, with the control plane) while it lives, not on a worker node that may be lost."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     return {
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
         "name": COORDINATOR_NAME,
         "namespace": namespace,
         "lifetime": "detached",

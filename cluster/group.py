@@ -57,6 +57,7 @@ class ReplicaGroup:
     spec: EngineSpec
     leader_cpus: float = 1.0
     namespace: str = LEADER_NAMESPACE
+    generation: int = 0
     step: StartStep = StartStep.PLACING
     ranks: list[RankAssignment] = field(default_factory=list)
     info: EngineInfo | None = None
@@ -108,7 +109,7 @@ class ReplicaGroup:
                     self.placement_group, placement_group_bundle_index=LEADER_BUNDLE_INDEX
                 ),
             )
-            .remote(self.name, self.spec, self.placement_group, bundle_indices_env(self.ranks))
+            .remote(self.name, self.spec, self.placement_group, bundle_indices_env(self.ranks), self.generation)
         )
         self.info = await self.leader.start.remote()
         self.instance_id = self.info.vllm_instance_id
@@ -126,6 +127,7 @@ class ReplicaGroup:
         if description.phase is not LeaderPhase.READY or description.info is None:
             return False
         self.leader, self.info, self.instance_id = leader, description.info, description.vllm_instance_id
+        self.generation = description.generation
         self.placement_group = get_placement_group(placement_group_name(self.name))
         self.step = StartStep.READY
         return True

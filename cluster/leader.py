@@ -89,11 +89,16 @@ class LeaderDescription:
     """Bundle index of rank 0, 1, …"""
     vllm_instance_id: str | None
     info: EngineInfo | None
+    generation: int = 0
+    """Which (re)start of the group this leader is; survives a coordinator restart."""
 
 
 class GroupLeader:
-    def __init__(self, group_name: str, spec: EngineSpec, placement_group: Any, bundle_indices: str) -> None:
+    def __init__(
+        self, group_name: str, spec: EngineSpec, placement_group: Any, bundle_indices: str, generation: int = 0
+    ) -> None:
         self.group_name = group_name
+        self.generation = generation
         self.spec = spec
         self.placement_group = placement_group
         self.bundle_indices = bundle_indices
@@ -115,6 +120,7 @@ class GroupLeader:
             rank_bundles=[int(b) for b in self.bundle_indices.split(",")],
             vllm_instance_id=self.vllm_instance_id,
             info=self.info,
+            generation=self.generation,
         )
 
     async def start(self) -> EngineInfo:

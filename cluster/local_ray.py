@@ -56,6 +56,7 @@ class LocalCluster:
                 namespace=namespace,
                 include_dashboard=True,
                 dashboard_host="127.0.0.1",
+                dashboard_port=_free_port(),  # 8265 may belong to another cluster on this machine
                 log_to_driver=log_to_driver,
             )
         else:
@@ -63,7 +64,8 @@ class LocalCluster:
 
             self._multi_node = Cluster(
                 initialize_head=True,
-                head_node_args=node_args | {"include_dashboard": True, "dashboard_host": "127.0.0.1"},
+                head_node_args=node_args
+                | {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": _free_port()},
             )
             for _ in range(shape.nodes - 1):
                 self._multi_node.add_node(**node_args)
@@ -88,3 +90,11 @@ class LocalCluster:
         if self._multi_node is not None:
             self._multi_node.shutdown()
             self._multi_node = None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -81,7 +81,7 @@ class FakeGroup:
     started: list[str] = []
     fail_starts: set[str] = set()
 
-    def __init__(self, name: str, spec: EngineSpec, namespace: str = "") -> None:
+    def __init__(self, name: str, spec: EngineSpec, namespace: str = "", generation: int = 0) -> None:
         self.name, self.spec = name, spec
         self.step = StartStep.PLACING
         self.leader: FakeLeader | None = None
