@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -425,7 +426,7 @@ class RayServeLlm:
 # --- the run ---------------------------------------------------------------------------------------------
 
 
-def run_arm(
+def measure_arm(
     arm: str,
     workload: Workload,
     text: Callable[[list[int]], str],
@@ -459,72 +460,84 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=48, help="KV blocks (128 tokens) per engine")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--no-docs", action="store_true")
+    parser.add_argument(
+        "--resume", action="store_true", help="keep the arms already in bench/results/route_bench.json, run the rest"
+    )
     args = parser.parse_args()
     subprocess.run([sys.executable, "-m", "cluster.cli", "make-model", "bench-llama"], cwd=REPO, check=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     vocab, text = word_vocab()
     loads = workloads(args.workloads.split(","), vocab, args.seed)
     arms = args.arms.split(",")
-    results: list[RunResult] = []
+    saved = RESULTS / f"{SECTION}.json"
+    results: list[RunResult] = (
+        [RunResult(**r) for r in json.loads(saved.read_text())] if args.resume and saved.exists() else []
+    )
 
+    def todo(arm: str, workload: Workload) -> bool:
+        return not any((r.arm, r.workload) == (arm, workload.name) for r in results)
+
+    def run_arm(arm: str, workload: Workload, *rest: Any) -> None:
+        """One arm on one workload, unless already measured (``--resume``); saved at once."""
+        if todo(arm, workload):
+            results.append(measure_arm(arm, workload, *rest))
+            saved.write_text(json.dumps([asdict(r) for r in results], indent=2))
+
+    two_ingress = args.two_ingress_workloads.split(",")
     for replicas, enabled in ((1, "flotilla" in arms), (2, "flotilla2" in arms)):
-        if not enabled:
+        policies = ["round_robin", "cache_aware"] if replicas == 1 else ["cache_aware"]
+        suffix = "-2ingress" if replicas == 2 else ""
+        plan = [
+            (f"flotilla-{'rr' if policy == 'round_robin' else 'ca'}{suffix}", policy, workload)
+            for workload in (loads if replicas == 1 else [w for w in loads if w.name in two_ingress])
+            for policy in policies
+        ]
+        plan = [(arm, policy, workload) for arm, policy, workload in plan if todo(arm, workload)]
+        if not enabled or not plan:
             continue
         print(f"flotilla, {replicas} ingress replica(s)", flush=True)
         stack = FlotillaStack(args.blocks, replicas, BASE_PORT)
         try:
-            policies = ["round_robin", "cache_aware"] if replicas == 1 else ["cache_aware"]
-            two_ingress = args.two_ingress_workloads.split(",")
-            for workload in loads if replicas == 1 else [w for w in loads if w.name in two_ingress]:
-                for policy in policies:
-                    stack.prepare(policy)
-                    arm = f"flotilla-{'rr' if policy == 'round_robin' else 'ca'}" + (
-                        "-2ingress" if replicas == 2 else ""
-                    )
-                    results.append(run_arm(arm, workload, text, lambda s, t, url=stack.url: url, stack.per_group))
+            for arm, policy, workload in plan:
+                stack.prepare(policy)
+                run_arm(arm, workload, text, lambda s, t, url=stack.url: url, stack.per_group)
         finally:
             stack.stop()
 
-    if "direct" in arms or "sglang" in arms:
+    peers = [(a, w) for w in loads for a in ("direct-rr", "oracle", "sglang") if a.split("-")[0] in arms]
+    if any(todo(a, w) for a, w in peers):
         print("vLLM OpenAI servers", flush=True)
         servers = VllmServers(args.blocks, BASE_PORT + 10)
         try:
             for workload in loads:
-                if "direct" in arms:
+                if "direct" in arms and todo("direct-rr", workload):
                     servers.reset()
                     turn = iter(range(10**9))
-                    results.append(
-                        run_arm("direct-rr", workload, text, lambda s, t, turn=turn: servers.urls[next(turn) % 4], None)
-                    )
+                    run_arm("direct-rr", workload, text, lambda s, t, turn=turn: servers.urls[next(turn) % 4], None)
+                if "direct" in arms and todo("oracle", workload):
                     servers.reset()
-                    results.append(
-                        run_arm(
-                            "oracle", workload, text, lambda s, t, w=workload: servers.urls[w.oracle_key[s] % 4], None
-                        )
-                    )
-                if "sglang" in arms:
+                    run_arm("oracle", workload, text, lambda s, t, w=workload: servers.urls[w.oracle_key[s] % 4], None)
+                if "sglang" in arms and todo("sglang", workload):
                     servers.reset()
                     router = SglangRouter(servers, BASE_PORT + 20)
                     try:
-                        results.append(
-                            run_arm("sglang", workload, text, lambda s, t, url=router.url: url, servers.requests_served)
-                        )
+                        run_arm("sglang", workload, text, lambda s, t, url=router.url: url, servers.requests_served)
                     finally:
                         router.stop()
         finally:
             servers.stop()
 
     if "ray" in arms:
-        print("Ray Serve LLM", flush=True)
-        for workload in loads:  # fresh deployment per workload: it has no cache reset
+        for workload in [w for w in loads if todo("ray", w)]:  # fresh deployment per workload: no cache reset
+            print("Ray Serve LLM", flush=True)
             stack = RayServeLlm(args.blocks, BASE_PORT + 30)
             try:
-                results.append(run_arm("ray", workload, text, lambda s, t, url=stack.url: url, None))
+                run_arm("ray", workload, text, lambda s, t, url=stack.url: url, None)
             finally:
                 stack.stop()
 
     report = render(results, args, "python -m bench.route_bench " + " ".join(sys.argv[1:]))
-    (RESULTS / f"{SECTION}.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
+    saved.write_text(json.dumps([asdict(r) for r in results], indent=2))
     (RESULTS / f"{SECTION}.md").write_text(report + "\n")
     if not args.no_docs:
         write_docs_section(

@@ -169,6 +169,11 @@ def _start_ray(config: ServeConfig, say: Say, verbose: bool) -> LocalCluster | N
     # Ray processes inherit this environment from the local cluster we start; an existing
     # cluster must have been started with it (see deploy/).
     os.environ.update(config.ingress.ray_env())
+    if config.cluster.address is None and config.ingress.proxy == "haproxy":
+        # HAProxy's stats and metrics listeners default to fixed ports (8404, 9101): a second
+        # Flotilla on this machine would fail to start. Free ports, unless the operator chose.
+        for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
+            os.environ[name] = os.environ.get(name) or str(_free_port())
     if config.cluster.address is not None:
         ray.init(address=config.cluster.address, namespace=config.cluster.namespace, log_to_driver=verbose)
         say(f"joined Ray cluster at {config.cluster.address}")
@@ -305,3 +310,11 @@ def run_forever(config: ServeConfig, say: Say, verbose: bool = False) -> None:
             deployment.shutdown(say)
 
     asyncio.run(main())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
