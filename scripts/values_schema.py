@@ -1,0 +1,161 @@
+"""values.schema.json of the Helm chart; its ``config`` part is generated from ``ServeConfig``.
+
+Helm checks values against this schema on install, upgrade, lint and template, so a typo or a
+bad value fails before anything reaches the cluster. ``config`` is Flotilla's own serve config
+(cluster/config.py) minus the keys the chart sets itself; TP and PP must be numbers there
+because the chart sizes pods from them.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from cluster.config import ServeConfig
+from router.policies import POLICIES
+
+CHART_OWNED_CONFIG_KEYS = ("model", "host", "cluster")
+
+
+def _obj(properties: dict[str, Any], required: tuple[str, ...] = (), **extra: Any) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object", "additionalProperties": False, "properties": properties}
+    if required:
+        schema["required"] = list(required)
+    return schema | extra
+
+
+def _int(minimum: int = 0, **extra: Any) -> dict[str, Any]:
+    return {"type": "integer", "minimum": minimum} | extra
+
+
+STR = {"type": "string"}
+NONEMPTY = {"type": "string", "minLength": 1}
+MAP = {"type": "object"}
+LIST = {"type": "array"}
+QUANTITY = {"type": ["string", "integer"], "pattern": r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"}
+DURATION = {"type": "string", "pattern": r"^[0-9]+(ms|s|m|h)$"}
+
+
+def _probe(description: str) -> dict[str, Any]:
+    return _obj(
+        {"periodSeconds": _int(1), "failureThreshold": _int(1), "timeoutSeconds": _int(1)},
+        ("periodSeconds", "failureThreshold", "timeoutSeconds"),
+        description=description,
+    )
+
+
+def _pod_placement(description: str, resources: dict[str, Any]) -> dict[str, Any]:
+    return _obj(
+        {"resources": resources, "nodeSelector": MAP, "tolerations": LIST, "affinity": MAP}
+        | ({"shmSize": QUANTITY} if "worker" in description else {}),
+        description=description,
+    )
+
+
+def serve_config_schema() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(schema of ``config``, its ``$defs``), from ServeConfig without the chart-owned keys."""
+    schema = ServeConfig.model_json_schema(ref_template="#/$defs/{model}")
+    defs = schema.pop("$defs", {})
+    for key in CHART_OWNED_CONFIG_KEYS:
+        schema["properties"].pop(key)
+    schema["required"] = ["tensor_parallel_size", "pipeline_parallel_size"]
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        prop = schema["properties"][key]
+        prop.pop("anyOf", None)
+        prop.update(type="integer", minimum=1)
+    schema["description"] = (
+        "Flotilla's serve config (ServeConfig, cluster/config.py); the chart sets model, host and cluster."
+    )
+    routing = defs["RoutingConfig"]["properties"]["policy"]
+    routing["enum"] = sorted(POLICIES)
+    return schema, defs
+
+
+def values_schema() -> dict[str, Any]:
+    config, defs = serve_config_schema()
+    resources = _obj({"requests": MAP, "limits": MAP, "claims": LIST})
+    properties = {
+        "mode": {
+            "enum": ["kuberay", "lws"],
+            "description": "kuberay: one RayService; lws: one LeaderWorkerSet, one LWS group per replica group.",
+        },
+        "image": _obj(
+            {"repository": NONEMPTY, "tag": NONEMPTY, "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]}},
+            ("repository", "tag"),
+        ),
+        "imagePullSecrets": {"type": "array", "items": _obj({"name": NONEMPTY}, ("name",))},
+        "accelerator": _obj(
+            {
+                "type": {"enum": ["nvidia", "cpu"]},
+                "perNode": _int(1, description="Accelerators per node; tensor_parallel_size must divide it."),
+                "resourceName": NONEMPTY,
+            },
+            ("type", "perNode", "resourceName"),
+        ),
+        "model": _obj(
+            {
+                "path": {"type": "string", "pattern": "^/", "description": "Absolute model folder in the pods."},
+                "mountPath": {"type": "string", "pattern": "^/"},
+                "existingClaim": STR,
+                "volume": {
+                    "type": "object",
+                    "maxProperties": 1,
+                    "description": "One Kubernetes volume source instead of existingClaim, e.g. emptyDir.",
+                },
+                "download": _obj({"repo": STR, "revision": NONEMPTY}),
+            },
+            ("path", "mountPath"),
+        ),
+        "config": config,
+        "head": _pod_placement("Ray head (kuberay mode): ingress and router.", resources),
+        "worker": _pod_placement("Accelerator pods (kuberay workers; lws leaders and workers).", resources),
+        "nodeLossTolerationSeconds": _int(0),
+        "kuberay": _obj({"rayVersion": NONEMPTY, "annotations": MAP}),
+        "lws": _obj(
+            {
+                "startupPolicy": {"enum": ["LeaderCreated"], "description": "LeaderReady would deadlock."},
+                "restartPolicy": {
+                    "enum": ["RecreateGroupOnPodRestart", "RecreateGroupAfterStart"],
+                    "description": "A group cannot rejoin its collectives: restart it whole.",
+                },
+                "maxUnavailable": {"type": ["integer", "string"]},
+                "maxSurge": {"type": ["integer", "string"]},
+                "exclusiveTopology": STR,
+            }
+        ),
+        "probes": _obj(
+            {
+                "startup": _probe("Budget for weight download and load."),
+                "liveness": _probe("Ingress process alive (/v1/models)."),
+                "readiness": _probe("At least one routable group (/health)."),
+            },
+            ("startup", "liveness", "readiness"),
+        ),
+        "terminationGracePeriodSeconds": _int(0),
+        "service": _obj(
+            {
+                "type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},
+                "port": _int(1, maximum=65535),
+                "annotations": MAP,
+            }
+        ),
+        "secrets": _obj({"create": {"type": "boolean"}, "existingSecret": STR, "adminToken": STR, "hfToken": STR}),
+        "metrics": _obj(
+            {
+                "serviceMonitor": _obj(
+                    {"enabled": {"type": "boolean"}, "interval": DURATION, "scrapeTimeout": DURATION, "labels": MAP}
+                ),
+                "prometheusRule": _obj(
+                    {"enabled": {"type": "boolean"}, "labels": MAP, "runbookBaseUrl": {"type": "string"}}
+                ),
+            }
+        ),
+        "grafana": _obj({"dashboards": _obj({"enabled": {"type": "boolean"}, "labels": MAP, "annotations": MAP})}),
+        "tests": _obj({"enabled": {"type": "boolean"}, "maxTokens": _int(1)}),
+    }
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "Flotilla Helm chart values",
+        **_obj(properties, ("mode", "image", "accelerator", "model", "config")),
+        "$defs": copy.deepcopy(defs),
+    }

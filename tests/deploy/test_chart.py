@@ -1,0 +1,300 @@
+"""The Helm chart, rendered and linted by Helm's own engine (helm-python-sdk embeds Helm v4's Go SDK).
+
+Every rendered object is checked against Kubernetes' strict schemas and the KubeRay and LWS CRDs
+(read from $FLOTILLA_CRDS_DIR, default ../shared/crds: see tests/deploy/k8s_schemas.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import helm_python as helm
+import pytest
+import yaml
+
+from cluster.config import IngressConfig, ServeConfig
+from scripts.render_manifests import CHART, rendered_objects
+from tests.deploy.k8s_schemas import validation_errors
+
+MODES = ("kuberay", "lws")
+MONITORING = {
+    "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}},
+    "grafana": {"dashboards": {"enabled": True}},
+}
+# Values a real user might set, to exercise optional branches of the templates.
+RICH = MONITORING | {
+    "model": {"download": {"repo": "meta-llama/Llama-3.1-8B-Instruct"}, "volume": {"emptyDir": {}}},
+    "secrets": {"adminToken": "s3cret", "hfToken": "hf_x"},
+    "imagePullSecrets": [{"name": "registry"}],
+    "lws": {"exclusiveTopology": "cloud.google.com/gke-nodepool"},
+    "worker": {"nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "gpu", "operator": "Exists"}]},
+    "config": {
+        "groups": 3,
+        "tensor_parallel_size": 8,
+        "pipeline_parallel_size": 2,
+        "ingress": {"proxy": "haproxy", "replicas": 2, "drain_period_s": 5},
+    },
+}
+
+
+def objects(mode: str, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    return rendered_objects({"mode": mode} | (values or {}))
+
+
+def by_kind(objs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def only(objs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = by_kind(objs, kind)
+    return found
+
+
+def serve_config(objs: list[dict[str, Any]]) -> ServeConfig:
+    configmap = next(o for o in objs if o["kind"] == "ConfigMap" and "flotilla.yaml" in o["data"])
+    return ServeConfig.model_validate(yaml.safe_load(configmap["data"]["flotilla.yaml"]))
+
+
+def containers(template: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in template["spec"]["containers"]}
+
+
+@pytest.mark.parametrize("values", [{}, RICH], ids=["defaults", "rich"])
+@pytest.mark.parametrize("mode", MODES)
+def test_chart_lints_clean(mode: str, values: dict[str, Any]) -> None:
+    report = helm.lint(CHART, {"mode": mode} | values, strict=True)
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2 warning, 3 error
+    assert report["errors"] == [] and problems == []
+
+
+@pytest.mark.parametrize("values", [{}, RICH], ids=["defaults", "rich"])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_rendered_object_validates(mode: str, values: dict[str, Any]) -> None:
+    objs = objects(mode, values)
+    errors = [error for obj in objs for error in validation_errors(obj)]
+    assert errors == []
+    expected = {"ConfigMap", "Service", "Pod", "RayService" if mode == "kuberay" else "LeaderWorkerSet"}
+    assert expected <= {o["kind"] for o in objs}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"mode": "k8s"}, "at '/mode': value must be one of 'kuberay', 'lws'"),
+        ({"config": {"groups": 0}}, "at '/config/groups': minimum: got 0, want 1"),
+        ({"config": {"tensor_parallel_size": "8"}}, "at '/config/tensor_parallel_size': got string, want integer"),
+        ({"config": {"tensor_parallel_size": None}}, "at '/config': missing property 'tensor_parallel_size'"),
+        ({"config": {"routing": {"policy": "random"}}}, "at '/config/routing/policy': value must be one of"),
+        ({"config": {"model": "/elsewhere"}}, "at '/config': additional properties 'model' not allowed"),
+        ({"config": {"grups": 2}}, "at '/config': additional properties 'grups' not allowed"),
+        ({"config": {"ingress": {"proxy": "nginx"}}}, "at '/config/ingress/proxy': value must be one of"),
+        ({"accelerator": {"type": "amd"}}, "at '/accelerator/type': value must be one of 'nvidia', 'cpu'"),
+        ({"lws": {"restartPolicy": "None"}}, "at '/lws/restartPolicy': value must be one of"),
+        ({"lws": {"startupPolicy": "LeaderReady"}}, "at '/lws/startupPolicy': value must be 'LeaderCreated'"),
+        ({"probes": {"startup": {"failureThreshold": 0}}}, "at '/probes/startup/failureThreshold': minimum"),
+        ({"image": {"tag": ""}}, "at '/image/tag': minLength: got 0, want 1"),
+        ({"model": {"path": "models/x"}}, "at '/model/path'"),
+        ({"metrics": {"serviceMonitor": {"interval": "15 seconds"}}}, "at '/metrics/serviceMonitor/interval'"),
+        ({"replicas": 3}, "additional properties 'replicas' not allowed"),
+    ],
+)
+def test_schema_rejects_bad_values_with_readable_errors(values: dict[str, Any], message: str) -> None:
+    chart = helm.Chart.load(CHART)
+    with pytest.raises(helm.HelmValuesError) as err:
+        chart.validate_schema(values)
+    assert message in str(err.value)
+    report = helm.lint(CHART, values, strict=True)  # `helm lint` reports the same error
+    assert any(message in m["error"] for m in report["messages"] if m["severity"] == 3)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"config": {"tensor_parallel_size": 3}}, "accelerator.perNode (8) must be a multiple of"),
+        (
+            {"config": {"tensor_parallel_size": 4, "pipeline_parallel_size": 3}},
+            "pipeline_parallel_size (12) must fill whole nodes of accelerator.perNode (8)",
+        ),
+    ],
+)
+def test_layouts_that_cannot_place_fail_with_the_rule(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        objects("kuberay", values)
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "per_node", "groups", "nodes_per_group", "slots_per_pod"),
+    [
+        (8, 1, 8, 2, 1, 8),
+        (8, 2, 8, 3, 2, 8),
+        (2, 1, 8, 4, 1, 2),
+        (4, 4, 8, 1, 2, 8),
+        (1, 2, 1, 2, 2, 1),
+    ],
+)
+def test_pods_are_sized_from_tp_and_pp(
+    tp: int, pp: int, per_node: int, groups: int, nodes_per_group: int, slots_per_pod: int
+) -> None:
+    values = {
+        "accelerator": {"type": "nvidia", "perNode": per_node, "resourceName": "nvidia.com/gpu"},
+        "config": {"groups": groups, "tensor_parallel_size": tp, "pipeline_parallel_size": pp},
+    }
+    service = only(objects("kuberay", values), "RayService")["spec"]["rayClusterConfig"]
+    (workers,) = service["workerGroupSpecs"]
+    assert workers["replicas"] == workers["minReplicas"] == workers["maxReplicas"] == groups * nodes_per_group
+    assert workers["rayStartParams"]["num-gpus"] == str(slots_per_pod)
+    assert containers(workers["template"])["ray-worker"]["resources"]["limits"]["nvidia.com/gpu"] == slots_per_pod
+    head = containers(service["headGroupSpec"]["template"])["ray-head"]
+    assert "nvidia.com/gpu" not in head["resources"].get("limits", {})
+    assert "--num-gpus=0" in head["args"][0]
+    assert f"wait_for_slots.py {tp * pp * groups} " in head["args"][0]
+
+    lws = only(objects("lws", values), "LeaderWorkerSet")["spec"]
+    assert lws["replicas"] == groups
+    assert lws["leaderWorkerTemplate"]["size"] == nodes_per_group
+    leader = containers(lws["leaderWorkerTemplate"]["leaderTemplate"])["flotilla"]
+    assert leader["resources"]["limits"]["nvidia.com/gpu"] == slots_per_pod
+    assert f"wait_for_slots.py {tp * pp} " in leader["args"][0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_serve_config_is_a_valid_flotilla_config(mode: str) -> None:
+    config = serve_config(objects(mode, RICH))
+    assert config.cluster.address == "auto" and config.host == "0.0.0.0"
+    assert config.model == "/models/model"
+    assert (config.tp, config.pp) == (8, 2)
+    assert config.groups == (3 if mode == "kuberay" else 1)  # lws: one Flotilla group per LWS group
+    assert config.ingress.replicas == 2
+
+
+@pytest.mark.parametrize("proxy", ["haproxy", "serve"])
+@pytest.mark.parametrize("mode", MODES)
+def test_ray_processes_get_the_environment_the_ingress_needs(mode: str, proxy: str) -> None:
+    objs = objects(mode, {"config": {"ingress": {"proxy": proxy, "drain_period_s": 3.5}}})
+    want = IngressConfig(proxy=proxy, drain_period_s=3.5).ray_env()
+    templates = [t for o in objs if o["kind"] in ("RayService", "LeaderWorkerSet") for _, t in _templates(o)]
+    assert len(templates) == 2
+    for template in templates:
+        for container in template["spec"]["containers"]:
+            env = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("RAY_SERVE_")}
+            assert env.keys() == want.keys()
+            assert all(float(env[k]) == float(v) for k, v in want.items())
+
+
+def _templates(obj: dict[str, Any]):
+    from tests.deploy.k8s_schemas import pod_templates
+
+    return pod_templates(obj)
+
+
+def test_lws_restarts_whole_groups_and_workers_join_the_leader() -> None:
+    lws = only(objects("lws"), "LeaderWorkerSet")
+    spec = lws["spec"]
+    assert spec["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert spec["startupPolicy"] == "LeaderCreated"
+    leader = containers(spec["leaderWorkerTemplate"]["leaderTemplate"])["flotilla"]["args"][0]
+    worker = containers(spec["leaderWorkerTemplate"]["workerTemplate"])["ray-worker"]["args"][0]
+    assert "ray start --head" in leader and "exec flotilla serve --config /etc/flotilla/flotilla.yaml" in leader
+    assert 'ray start --address="${LWS_LEADER_ADDRESS}:6379"' in worker and "--block" in worker
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_probes_leave_room_for_slow_model_loads(mode: str) -> None:
+    objs = objects(mode)
+    serving = only(objs, "RayService" if mode == "kuberay" else "LeaderWorkerSet")
+    name = "head" if mode == "kuberay" else "leader"
+    template = dict(_templates(serving))[name]
+    (container,) = template["spec"]["containers"]
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
+    assert container["livenessProbe"]["httpGet"]["path"] == "/v1/models"  # alive even with no ready group
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"  # 503 without a routable group
+    tolerations = {t["key"]: t["tolerationSeconds"] for t in template["spec"]["tolerations"]}
+    assert tolerations["node.kubernetes.io/unreachable"] == 60
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_service_selects_the_pods_that_serve_http(mode: str) -> None:
+    objs = objects(mode)
+    selector = only(objs, "Service")["spec"]["selector"]
+    serving = only(objs, "RayService" if mode == "kuberay" else "LeaderWorkerSet")
+    labelled = {name: t["metadata"]["labels"] for name, t in _templates(serving)}
+    matching = [name for name, labels in labelled.items() if selector.items() <= labels.items()]
+    assert matching == ["head" if mode == "kuberay" else "leader"]
+
+
+def test_secrets_hold_tokens_and_pods_read_them() -> None:
+    objs = objects("kuberay", RICH)
+    secret = only(objs, "Secret")
+    assert set(secret["data"]) == {"admin-token", "hf-token"}
+    head = dict(_templates(only(objs, "RayService")))["head"]
+    env = {e["name"]: e for e in head["spec"]["containers"][0]["env"]}
+    assert env["FLOTILLA_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
+    init = head["spec"]["initContainers"][0]
+    assert "snapshot_download" in init["args"][0] and any(e["name"] == "HF_TOKEN" for e in init["env"])
+    assert by_kind(objects("kuberay", {"secrets": {"existingSecret": "mine"}}), "Secret") == []
+
+
+def test_helm_test_pod_sends_a_chat_completion() -> None:
+    pod = only(objects("kuberay"), "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    script = pod["spec"]["containers"][0]["args"][0]
+    assert "/v1/chat/completions" in script and '"model": "my-model"' in script
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_monitoring_objects_are_optional_and_complete(mode: str) -> None:
+    assert {"ServiceMonitor", "PrometheusRule"} & {o["kind"] for o in objects(mode)} == set()
+    objs = objects(mode, MONITORING)
+    monitor = only(objs, "ServiceMonitor")
+    service = only(objs, "Service")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+    assert ("metricRelabelings" in monitor["spec"]["endpoints"][0]) == (mode == "lws")
+    rules = only(objs, "PrometheusRule")["spec"]["groups"]
+    alerts = [r for g in rules for r in g["rules"] if "alert" in r]
+    assert alerts and all(r["annotations"]["runbook_url"].endswith(".md") for r in alerts)
+    dashboards = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["labels"].get("grafana_dashboard")]
+    assert {next(iter(d["data"])) for d in dashboards} == {
+        "flotilla-overview.json",
+        "flotilla-router.json",
+        "flotilla-groups.json",
+        "flotilla-eplb.json",
+    }
+
+
+def test_runbook_base_url_is_configurable() -> None:
+    base = "https://wiki.example.com/flotilla"
+    values = MONITORING | {"metrics": {"prometheusRule": {"enabled": True, "runbookBaseUrl": base}}}
+    rules = only(objects("kuberay", values), "PrometheusRule")["spec"]["groups"]
+    urls = [r["annotations"]["runbook_url"] for g in rules for r in g["rules"] if "alert" in r]
+    assert urls and all(url.startswith(base + "/") for url in urls)
+
+
+def test_notes_render_in_both_modes() -> None:
+    from scripts.render_manifests import render_chart
+
+    for mode in MODES:
+        notes = next(text for path, text in render_chart({"mode": mode}).items() if path.endswith("NOTES.txt"))
+        assert "helm test flotilla" in notes and "port-forward svc/flotilla" in notes
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cpu_mode_declares_slots_without_requesting_gpus(mode: str) -> None:
+    values = {
+        "image": {"tag": "0.1.0-cpu"},
+        "accelerator": {"type": "cpu", "perNode": 2},
+        "config": {"groups": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 1},
+    }
+    objs = objects(mode, values)
+    assert [e for o in objs for e in validation_errors(o)] == []
+    serving = only(objs, "RayService" if mode == "kuberay" else "LeaderWorkerSet")
+    for name, template in _templates(serving):
+        for container in template["spec"]["containers"]:
+            assert "nvidia.com/gpu" not in container["resources"].get("limits", {}), name
+    if mode == "kuberay":
+        (workers,) = serving["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+        assert workers["rayStartParams"]["num-gpus"] == "2"  # Flotilla's CPU plugin places workers on these
+    else:
+        leader = containers(serving["spec"]["leaderWorkerTemplate"]["leaderTemplate"])["flotilla"]
+        assert "--num-gpus=2" in leader["args"][0]

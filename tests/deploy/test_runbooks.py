@@ -1,0 +1,136 @@
+"""runbooks/: one per alert (linked from the alert), the required incidents, and commands that exist.
+
+`flotilla` commands are parsed by the real parser (cluster.cli.build_parser), `ray` commands by
+Ray's own click CLI (subcommands and flags), `kubectl`/`helm` only by verb (no binary here).
+PromQL blocks are evaluated against a live Prometheus in test_prometheus.py.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import click
+import pytest
+import yaml
+from ray.scripts.scripts import cli as ray_cli
+
+from cluster.cli import build_parser
+from scripts.render_manifests import RULES
+from tests.deploy.runbook_commands import RUNBOOKS, blocks, program_argv, runbook_files, shell_commands
+
+INCIDENTS = ("node-loss.md", "collective-hang.md", "oom.md", "slow-model-load.md", "rolling-upgrade.md")
+SECTIONS = ("## Symptoms", "## Alert", "## Diagnose", "## Mitigate", "## Verify recovery")
+KUBECTL_VERBS = {
+    "get", "describe", "logs", "exec", "top", "cordon", "uncordon", "drain", "delete", "port-forward",
+    "rollout", "apply", "annotate", "label", "scale", "events",
+}  # fmt: skip
+HELM_VERBS = {"history", "upgrade", "rollback", "test", "status", "install", "uninstall", "get"}
+
+
+def alerts() -> list[dict]:
+    return [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "alert" in r]
+
+
+@pytest.mark.parametrize("alert", alerts(), ids=lambda a: a["alert"])
+def test_every_alert_links_to_its_runbook(alert: dict) -> None:
+    url = alert["annotations"]["runbook_url"]
+    runbook = RUNBOOKS / url.rsplit("/", 1)[1]
+    assert runbook.is_file(), url
+    assert runbook.read_text().startswith(f"# {alert['alert']}:")
+    assert alert["labels"]["severity"] in ("warning", "critical")
+
+
+def test_incident_runbooks_exist() -> None:
+    assert {p.name for p in runbook_files()} >= set(INCIDENTS)
+    linked = {a["annotations"]["runbook_url"].rsplit("/", 1)[1] for a in alerts()}
+    assert {p.name for p in runbook_files()} == linked | set(INCIDENTS)  # no orphan runbooks
+
+
+@pytest.mark.parametrize("path", runbook_files(), ids=lambda p: p.name)
+def test_runbook_has_every_section_and_runnable_commands(path: Path) -> None:
+    text = path.read_text()
+    positions = [text.find(section) for section in SECTIONS]
+    assert -1 not in positions and positions == sorted(positions), f"sections in order: {SECTIONS}"
+    assert any(where == path.name for where, _ in blocks("bash"))
+    assert any(where == path.name for where, _ in blocks("promql"))
+
+
+def _flotilla_commands() -> list[tuple[str, list[str]]]:
+    found = []
+    for where, argv in shell_commands():
+        words = [argv, *(shlex.split(w) for w in argv if " " in w)]  # also inside `ray exec … '<cmd>'`
+        found += [(where, args) for w in words if (args := program_argv(w, "flotilla")) is not None]
+    return found
+
+
+def _ray_commands() -> list[tuple[str, list[str]]]:
+    return [(where, args) for where, argv in shell_commands() if (args := program_argv(argv, "ray")) is not None]
+
+
+def test_runbooks_use_flotilla_ray_and_kubectl() -> None:
+    programs = {argv[0] for _, argv in shell_commands()}
+    assert {"kubectl", "ray"} <= programs
+    assert len(_flotilla_commands()) >= 20
+    used = {args[0] for _, args in _flotilla_commands()}
+    assert {"status", "drain", "resume", "restart", "plan", "eplb-demo"} <= used
+
+
+@pytest.mark.parametrize("where, args", _flotilla_commands(), ids=lambda v: v if isinstance(v, str) else " ".join(v))
+def test_flotilla_command_parses(where: str, args: list[str]) -> None:
+    parser = build_parser()
+    parser.exit = _raise  # type: ignore[method-assign]  # argparse errors exit; make them test failures
+    for action in parser._subparsers._group_actions:  # type: ignore[union-attr]
+        for sub in action.choices.values():
+            sub.exit = _raise  # type: ignore[method-assign]
+    parser.parse_args(args)
+
+
+def _raise(status: int = 0, message: str | None = None) -> None:
+    raise AssertionError(f"flotilla rejects these arguments: {message}")
+
+
+@pytest.mark.parametrize("where, args", _ray_commands(), ids=lambda v: v if isinstance(v, str) else " ".join(v))
+def test_ray_command_is_a_real_subcommand_with_real_flags(where: str, args: list[str]) -> None:
+    command: click.Command = ray_cli
+    ctx = command.make_context("ray", list(args), resilient_parsing=False)
+    rest = [*ctx._protected_args, *ctx.args] if hasattr(ctx, "_protected_args") else [*ctx.protected_args, *ctx.args]
+    while isinstance(command, click.Group):
+        name, command, rest = command.resolve_command(ctx, rest)
+        assert command is not None, f"ray has no subcommand {name!r}"
+        ctx = command.make_context(name, rest, parent=ctx)  # raises on an unknown flag
+        rest = (
+            [*getattr(ctx, "_protected_args", ctx.protected_args), *ctx.args]
+            if isinstance(command, click.Group)
+            else []
+        )
+
+
+def test_kubectl_and_helm_verbs_exist() -> None:
+    unknown = []
+    for where, argv in shell_commands():
+        if argv[0] not in ("kubectl", "helm"):
+            continue
+        words = [w for w in argv[1:] if not w.startswith("-")]
+        flags_with_values = {"-n", "--namespace", "-f", "-l", "-c", "-o", "--tail", "--sort-by", "--field-selector"}
+        verb = next(
+            w for i, w in enumerate(argv[1:], 1) if not w.startswith("-") and argv[i - 1] not in flags_with_values
+        )
+        allowed = KUBECTL_VERBS if argv[0] == "kubectl" else HELM_VERBS
+        if verb not in allowed:
+            unknown.append(f"{where}: {' '.join(argv)}")
+        assert words
+    assert unknown == []
+
+
+def test_ray_is_checked_against_unknown_flags() -> None:
+    with pytest.raises(click.UsageError):
+        test_ray_command_is_a_real_subcommand_with_real_flags("self-check", ["list", "actors", "--no-such-flag"])
+    with pytest.raises(AssertionError, match="rejects"):
+        test_flotilla_command_parses("self-check", ["drain"])  # the group is required
+
+
+def test_promql_blocks_are_not_shell() -> None:
+    for where, body in blocks("promql"):
+        assert not re.search(r"^\s*(kubectl|ray|flotilla)\b", body, re.M), where
