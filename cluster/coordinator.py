@@ -31,6 +31,7 @@ from cluster.group import ReplicaGroup, StartStep
 from cluster.group_api import (
     COORDINATOR_NAME,
     DurationHistogram,
+    FailureKind,
     GroupEvent,
     GroupSnapshot,
     GroupState,
@@ -69,7 +70,7 @@ class GroupRecord:
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    kind: str
+    kind: FailureKind
     reason: str
 
 
@@ -190,7 +191,7 @@ class Coordinator:
         if record.state in (GroupState.RESTARTING, GroupState.STARTING, GroupState.STOPPED):
             raise ValueError(f"group {group} is already {record.state.value}")
         record.budget.failures.clear()  # an operator's restart also gives a failed group a fresh budget
-        self._begin_restart(record, Failure("operator", "restarted by an operator"), drain=True)
+        self._begin_restart(record, Failure(FailureKind.OPERATOR, "restarted by an operator"), drain=True)
         await self._publish()
         return self._group_snapshot(record)
 
@@ -217,20 +218,20 @@ class Coordinator:
     async def _probe(self, record: GroupRecord, now: float) -> Failure | None:
         leader = record.runtime.leader
         if leader is None:
-            return Failure("leader_died", "the group has no leader")
+            return Failure(FailureKind.LEADER_DIED, "the group has no leader")
         try:
             health = await asyncio.wait_for(leader.health.remote(), self.recovery.health_timeout_s)
         except TimeoutError:
             return Failure(
-                "hang", f"the leader did not answer a health check within {self.recovery.health_timeout_s} s"
+                FailureKind.HANG, f"the leader did not answer a health check within {self.recovery.health_timeout_s} s"
             )
         except Exception as err:
-            return Failure("leader_died", f"leader unreachable: {type(err).__name__}: {_first_line(err)}")
+            return Failure(FailureKind.LEADER_DIED, f"leader unreachable: {type(err).__name__}: {_first_line(err)}")
         if not health.engine_alive:
-            return Failure("engine_dead", f"engine dead: {_first_line(health.error)}")
+            return Failure(FailureKind.ENGINE_DEAD, f"engine dead: {_first_line(health.error)}")
         if health.unfinished_requests and health.seconds_since_progress > self.recovery.hang_timeout_s:
             return Failure(
-                "hang",
+                FailureKind.HANG,
                 f"no engine progress for {health.seconds_since_progress:.1f} s with "
                 f"{health.unfinished_requests} unfinished request(s)",
             )
@@ -238,7 +239,7 @@ class Coordinator:
             dead = await asyncio.to_thread(_dead_workers, record.runtime.placement_group)
             record.last_worker_check = now
             if dead:
-                return Failure("worker_died", f"worker actor(s) dead: {', '.join(dead)}")
+                return Failure(FailureKind.WORKER_DIED, f"worker actor(s) dead: {', '.join(dead)}")
         record.last_healthy_at = now
         return None
 
@@ -305,7 +306,7 @@ class Coordinator:
                 await self._publish()
                 return False
             if not restarting:  # a first start failing after serving began: restart it with backoff
-                self._begin_restart(record, Failure("start_failed", record.runtime.describe_step()))
+                self._begin_restart(record, Failure(FailureKind.START_FAILED, record.runtime.describe_step()))
             return False
         record.last_healthy_at = time.time()
         self._set_state(record, GroupState.READY, record.runtime.describe_step())

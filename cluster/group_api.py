@@ -132,6 +132,17 @@ class GroupState(StrEnum):
     STOPPED = "stopped"
 
 
+class FailureKind(StrEnum):
+    """Why a group was restarted."""
+
+    LEADER_DIED = "leader_died"
+    ENGINE_DEAD = "engine_dead"
+    WORKER_DIED = "worker_died"
+    HANG = "hang"
+    START_FAILED = "start_failed"
+    OPERATOR = "operator"
+
+
 DURATION_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 

@@ -8,7 +8,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cluster.group_api import DURATION_BUCKETS_S, DurationHistogram, GroupState, Membership
+from cluster.group_api import (
+    DURATION_BUCKETS_S,
+    DurationHistogram,
+    EngineErrorKind,
+    FailureKind,
+    GroupState,
+    Membership,
+)
 from router.policies import GroupView
 from router.routing import Decision
 
@@ -28,6 +35,7 @@ class IngressMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.requests_retried.labels(EngineErrorKind.ENGINE_DEAD.value)  # exported as 0 before the first retry
         self.requests = Counter(
             "flotilla_requests",
             "HTTP requests answered by the ingress, by endpoint and status code.",
@@ -145,8 +153,8 @@ class MembershipCollector(Collector):
         for group in membership.groups:
             for candidate in GroupState:
                 state.add_metric([group.name, candidate.value], float(group.state is candidate))
-            for reason, count in group.restarts.items():
-                restarts.add_metric([group.name, reason], count)
+            for kind in FailureKind:  # zeros too, so increase() sees a group's first restart
+                restarts.add_metric([group.name, kind.value], group.restarts.get(kind.value, 0))
         yield state
         yield restarts
         yield _histogram(
