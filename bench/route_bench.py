@@ -383,7 +383,8 @@ from ray import serve
 from ray.serve.llm import LLMConfig, build_openai_app
 from ray.serve.llm.request_router import PrefixCacheAffinityRouter
 import ray
-ray.init(num_cpus=8, include_dashboard=%(dashboard)s, dashboard_host="127.0.0.1", dashboard_port=%(dashboard_port)d)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # threads started below inherit it
+ray.init(num_cpus=16, include_dashboard=%(dashboard)s, dashboard_host="127.0.0.1", dashboard_port=%(dashboard_port)d)
 config = LLMConfig(
     model_loading_config={"model_id": "%(name)s", "model_source": "%(model)s"},
     accelerator_config={"kind": "cpu"},
