@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import psutil
 
-from bench.route_bench import ENGINE_ENV, RAY_APP, Process, wait_ready
+from bench.route_bench import ENGINE_ENV, RAY_APP, Process, serve_running_replicas, wait_ready, wait_replicas_running
 from bench.serve_overhead import RESULTS, write_docs_section
 
 REPO = Path(__file__).resolve().parent.parent
@@ -144,7 +144,8 @@ class Flotilla:
         return int(group["leader"]["pid"]), int(group["ranks"][0]["actor"]["pid"])
 
     def inject(self, fault: str, load: Load) -> FaultResult:
-        name = "group-0"
+        # Alternate groups; the third fault is group-0's second restart (its 2 s backoff included).
+        name = "group-1" if fault == "leader" else "group-0"
         before = self.group(name)
         leader, worker = self.pids(name)
         known_events = len(self.groups()["events"])
@@ -243,22 +244,10 @@ class RayServe:
         env = ENGINE_ENV | {"RAY_AUTH_MODE": "disabled", "FLOTILLA_CPU_RAY_PLUGIN": "0"}
         self.process = Process("fault-ray-serve", [sys.executable, "-c", script], env, RESULTS)
         wait_ready(self.url, self.process, timeout_s=1200)
-        wait_for(lambda: len(self.running()) == 2, 600, 0.5)
+        wait_replicas_running(self.dashboard, 2, self.process)
 
     def running(self) -> dict[str, int]:
-        """replica id → pid of the LLM deployment's RUNNING replicas (Serve's REST API)."""
-        try:
-            apps = httpx.get(f"{self.dashboard}/api/serve/applications/", timeout=10).json()["applications"]
-        except (httpx.HTTPError, ValueError, KeyError):
-            return {}
-        return {
-            replica["replica_id"]: int(replica.get("pid") or 0)
-            for app in apps.values()
-            for name, deployment in app["deployments"].items()
-            if "LLM" in name
-            for replica in deployment["replicas"]
-            if replica["state"] == "RUNNING"
-        }
+        return serve_running_replicas(self.dashboard)
 
     def inject(self, fault: str, load: Load) -> FaultResult:
         before = self.running()
@@ -270,6 +259,8 @@ class RayServe:
                 for c in psutil.Process(replica_pid).children(recursive=True)
                 if "EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline())
             ]
+            if not engines:
+                raise RuntimeError(f"no vLLM EngineCore process under the Serve replica (pid {replica_pid})")
             pid = engines[0].pid
         t0 = time.time()
         os.kill(pid, signal.SIGSTOP if fault == "hang" else signal.SIGKILL)

@@ -402,6 +402,31 @@ ray.shutdown()
 """
 
 
+def serve_running_replicas(dashboard: str) -> dict[str, int]:
+    """replica id → pid of the LLM deployment's RUNNING replicas, from Ray Serve's REST API."""
+    try:
+        apps = httpx.get(f"{dashboard}/api/serve/applications/", timeout=10).json()["applications"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return {}
+    return {
+        replica["replica_id"]: int(replica.get("pid") or 0)
+        for app in apps.values()
+        for name, deployment in app["deployments"].items()
+        if "LLM" in name
+        for replica in deployment["replicas"]
+        if replica["state"] == "RUNNING"
+    }
+
+
+def wait_replicas_running(dashboard: str, replicas: int, process: Process, timeout_s: float = 1200) -> None:
+    """/v1/models answers as soon as one replica runs; measure only once every replica does."""
+    deadline = time.monotonic() + timeout_s
+    while len(serve_running_replicas(dashboard)) < replicas:
+        if process.process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{process.name}: {replicas} replicas not running; see its log in {RESULTS}")
+        time.sleep(1)
+
+
 class RayServeLlm:
     def __init__(self, blocks: int, port: int) -> None:
         self.url = f"http://127.0.0.1:{port}"
@@ -413,12 +438,13 @@ class RayServeLlm:
             "port": port,
             "replicas": 4,
             "router": ', "request_router_config": {"request_router_class": PrefixCacheAffinityRouter}',
-            "dashboard": False,
+            "dashboard": True,
             "dashboard_port": port + 1,
         }
         env = ENGINE_ENV | {"RAY_AUTH_MODE": "disabled", "FLOTILLA_CPU_RAY_PLUGIN": "0"}
         self.process = Process("ray-serve-llm", [sys.executable, "-c", script], env, RESULTS)
         wait_ready(self.url, self.process, timeout_s=1200)
+        wait_replicas_running(f"http://127.0.0.1:{port + 1}", 4, self.process)
 
     def stop(self) -> None:
         self.process.stop()
