@@ -27,6 +27,7 @@ from cluster.leader import EngineInfo
 from cluster.local_ray import LocalCluster, LocalClusterShape
 from cluster.model_spec import ModelSpec, UnsupportedModelError
 from cluster.planner import GIB, ClusterSpec, LinkKind, Workload, choose_for_groups
+from cluster.ports import free_port
 
 SERVE_APP_NAME = "flotilla"
 HEARTBEAT_S = 10.0
@@ -173,7 +174,7 @@ def _start_ray(config: ServeConfig, say: Say, verbose: bool) -> LocalCluster | N
         # HAProxy's stats and metrics listeners default to fixed ports (8404, 9101): a second
         # Flotilla on this machine would fail to start. Free ports, unless the operator chose.
         for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
-            os.environ[name] = os.environ.get(name) or str(_free_port())
+            os.environ[name] = os.environ.get(name) or str(free_port())
     if config.cluster.address is not None:
         ray.init(address=config.cluster.address, namespace=config.cluster.namespace, log_to_driver=verbose)
         say(f"joined Ray cluster at {config.cluster.address}")
@@ -310,11 +311,3 @@ def run_forever(config: ServeConfig, say: Say, verbose: bool = False) -> None:
             deployment.shutdown(say)
 
     asyncio.run(main())
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

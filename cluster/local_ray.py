@@ -17,6 +17,7 @@ from typing import Any
 import ray
 
 from cluster.config import LocalClusterConfig
+from cluster.ports import free_port
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +57,7 @@ class LocalCluster:
                 namespace=namespace,
                 include_dashboard=True,
                 dashboard_host="127.0.0.1",
-                dashboard_port=_free_port(),  # 8265 may belong to another cluster on this machine
+                dashboard_port=free_port(),  # 8265 may belong to another cluster on this machine
                 log_to_driver=log_to_driver,
             )
         else:
@@ -65,12 +66,16 @@ class LocalCluster:
             self._multi_node = Cluster(
                 initialize_head=True,
                 head_node_args=node_args
-                | {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": _free_port()},
+                | {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": free_port()},
             )
-            for _ in range(shape.nodes - 1):
-                self._multi_node.add_node(**node_args)
-            self._multi_node.wait_for_nodes()
-            ray.init(address=self._multi_node.address, namespace=namespace, log_to_driver=log_to_driver)
+            try:
+                for _ in range(shape.nodes - 1):
+                    self._multi_node.add_node(**node_args)
+                self._multi_node.wait_for_nodes()
+                ray.init(address=self._multi_node.address, namespace=namespace, log_to_driver=log_to_driver)
+            except BaseException:
+                self._multi_node.shutdown()  # leave no half-started cluster behind
+                raise
         self.address: str = ray.get_runtime_context().gcs_address
 
     def nodes(self) -> list[Any]:
@@ -90,11 +95,3 @@ class LocalCluster:
         if self._multi_node is not None:
             self._multi_node.shutdown()
             self._multi_node = None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

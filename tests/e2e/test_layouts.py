@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import ray
 from ray.util.state import list_actors
 
 from cluster.config import LocalClusterConfig
@@ -112,7 +113,12 @@ def run_layout(model: Path, tp: int, pp: int) -> LayoutRun:
         pg_id = group.placement_group.id.hex()
         workers = [
             WorkerActor(a.name, a.node_id, a.placement_group_id)
-            for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=10_000)
+            for a in list_actors(
+                address=ray.get_runtime_context().gcs_address,
+                filters=[("state", "=", "ALIVE")],
+                detail=True,
+                limit=10_000,
+            )
             if a.class_name == "RayWorkerProc" and a.placement_group_id == pg_id
         ]
         stored = index.keys(group.name) if index.has_group(group.name) else []

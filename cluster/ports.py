@@ -1,0 +1,26 @@
+"""Free TCP ports for the listeners Flotilla configures itself (dashboards, HAProxy stats).
+
+Ports come from 20000–29999: above Ray's worker port range (10002–19999) and below Linux's
+ephemeral range (32768+), so a port chosen now is not taken by an OS-assigned socket before its
+owner starts; and they are checked free on every address, because HAProxy binds 0.0.0.0.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+
+PORT_RANGE = (20000, 30000)
+
+
+def free_port() -> int:
+    candidates = list(range(*PORT_RANGE))
+    random.shuffle(candidates)
+    for port in candidates:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {PORT_RANGE}")

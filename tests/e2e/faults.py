@@ -1,0 +1,130 @@
+"""Helpers for the fault tests: steady load, the admin API, ``flotilla status``, recovery checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from tests.e2e.server import REPO, Server, wait_until
+
+TOKEN = "failover-test-token"
+RECOVERY_TIMEOUT_S = 300
+
+
+# --- load and observation ------------------------------------------------------------------------------
+
+
+@dataclass
+class Load:
+    """Non-streaming completions, ``concurrency`` at a time, until stopped; every outcome recorded."""
+
+    url: str
+    model: str
+    concurrency: int = 4
+    outcomes: list[tuple[int, str]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def __enter__(self) -> Load:
+        def run() -> None:
+            with httpx.Client(timeout=180) as client:
+                while not self._stop.is_set():
+                    body = {"model": self.model, "prompt": "The harbour at dawn", "max_tokens": 12}
+                    try:
+                        response = client.post(f"{self.url}/v1/completions", json=body)
+                        self.outcomes.append((response.status_code, response.text[:300]))
+                    except httpx.HTTPError as err:
+                        self.outcomes.append((0, repr(err)))
+
+        self._threads = [threading.Thread(target=run, daemon=True) for _ in range(self.concurrency)]
+        for thread in self._threads:
+            thread.start()
+        assert wait_until(lambda: len(self.outcomes) >= 8, 120), "the load never got going"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(200)
+
+    def failures(self) -> list[tuple[int, str]]:
+        return [o for o in self.outcomes if o[0] != 200]
+
+
+def admin(server: Server, method: str, path: str) -> Any:
+    response = httpx.request(
+        method, f"{server.url}/admin{path}", headers={"authorization": f"Bearer {TOKEN}"}, timeout=60
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def group(server: Server, name: str) -> dict[str, Any]:
+    return next(g for g in admin(server, "GET", "/groups")["groups"] if g["name"] == name)
+
+
+def wait_back_in_routing(server: Server, name: str, generation: int) -> dict[str, Any]:
+    """Until the group is ready with a newer engine than ``generation``."""
+
+    def back() -> bool:
+        g = group(server, name)
+        return g["state"] == "ready" and g["generation"] > generation
+
+    assert wait_until(back, RECOVERY_TIMEOUT_S, interval_s=0.5), f"{name} not back: {group(server, name)}"
+    return group(server, name)
+
+
+def routed_to(server: Server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    prefix = "flotilla_routing_decisions_total{"
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix) and f'group="{name}"' in line
+    )
+
+
+def status(server: Server) -> list[dict[str, Any]]:
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "status", "--json", "--address", server.ray_address],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return list(json.loads(result.stdout))
+
+
+def rank_pid(server: Server, name: str, rank: int) -> int:
+    g = next(g for g in status(server) if g["name"] == name)
+    return int(g["ranks"][rank]["actor"]["pid"])
+
+
+def leader_pid(server: Server, name: str) -> int:
+    g = next(g for g in status(server) if g["name"] == name)
+    return int(g["leader"]["pid"])
+
+
+def assert_recovered(server: Server, load: Load, name: str, before: dict[str, Any], kind: str) -> dict[str, Any]:
+    after = wait_back_in_routing(server, name, before["generation"])
+    routed = routed_to(server, name)
+    assert wait_until(lambda: routed_to(server, name) > routed, 60), f"{name} is ready but gets no requests"
+    assert after["restarts"].get(kind, 0) == before["restarts"].get(kind, 0) + 1, after
+    assert after["last_failure"].startswith(kind)
+    events = [e for e in admin(server, "GET", "/groups")["events"] if e["group"] == name and e["kind"] == kind]
+    event = events[-1]
+    print(
+        f"\n{name} {kind}: detected {event['detected_at'] - event['last_healthy_at']:.2f} s after its last good "
+        f"check, back in routing {event['back_in_routing_at'] - event['detected_at']:.1f} s after detection"
+    )
+    listed = next(g for g in status(server) if g["name"] == name)
+    assert listed["state"] == "ready" and listed["restarts"].get(kind) == after["restarts"][kind]
+    assert load.failures() == [], load.failures()[:3]
+    return after
