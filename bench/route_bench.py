@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from typing import Any
 import httpx
 
 from bench.loadgen import percentile
-from bench.serve_overhead import RESULTS, write_docs_section
+from bench.serve_overhead import RESULTS, stop_gracefully, write_docs_section
 from bench.workloads import hot_prefix, multi_turn, no_sharing, shared_prefix
 from cluster.sim_cluster import Session
 
@@ -215,13 +214,7 @@ class Process:
         self.process = subprocess.Popen(command, cwd=REPO, env=os.environ | env, stdout=self.log, stderr=self.log)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(120)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_gracefully(self.process)
 
 
 def wait_ready(url: str, process: Process, timeout_s: float = 900) -> None:

@@ -55,6 +55,17 @@ VLLM_ENGINE_FLAGS = [
 ]
 
 
+def stop_gracefully(process: subprocess.Popen, timeout_s: float = 120) -> None:
+    """SIGINT (a server's Ctrl-C path, which tears down what it started), then SIGKILL after ``timeout_s``."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def make_prompts(model_dir: Path, count: int, prompt_tokens: int, seed: int) -> list[str]:
     """Distinct word prompts, each cut to exactly ``prompt_tokens`` tokens of the model's tokenizer."""
     from transformers import AutoTokenizer
@@ -105,13 +116,8 @@ class Target:
         raise TimeoutError(f"{self.name} not ready after {timeout_s} s; see {self.log_path}")
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(120)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process:
+            stop_gracefully(self.process)
 
 
 class FlotillaTarget(Target):

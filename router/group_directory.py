@@ -165,9 +165,7 @@ class GroupDirectory:
 
     # --- background ----------------------------------------------------------------------------------
     def _start_feed(self, member: Member) -> None:
-        if member.feed is not None:
-            member.feed.stop()
-            member.feed = None
+        """Follow a new member's KV events (each engine generation is a new member)."""
         if self.routing.kv_events and member.info.kv_events_endpoint:
             member.feed = KvEventFeed(
                 member.name,
