@@ -94,6 +94,14 @@ class IngressConfig(_Strict):
         2.0, ge=0, description="How long a stopping ingress replica keeps accepting (haproxy mode)."
     )
     replicas: int = Field(1, ge=1, description="Ingress replicas.")
+    placement: Literal["head", "any"] = Field(
+        "head",
+        description=(
+            "head: ingress replicas (and Serve's HTTP proxy) run on the Ray head node, so losing an accelerator "
+            "node never takes an in-flight request's ingress with it and failover can retry it. any: Ray places "
+            "them (spread over nodes, for ingress throughput beyond one node's CPUs)."
+        ),
+    )
 
     def ray_env(self) -> dict[str, str]:
         """Environment the Serve controller and replicas need (set before Ray starts)."""

@@ -248,6 +248,10 @@ async def _wait_for_groups(coordinator: Any, say: Say) -> Membership:
         await asyncio.sleep(PROGRESS_POLL_S)
 
 
+# Ray gives the head node this resource; a tiny demand of it pins an actor there.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+
 def _deploy_ingress(deployment: Deployment, membership: Membership) -> None:
     from router.ingress import OpenAIIngress
     from router.settings import IngressSettings
@@ -264,8 +268,18 @@ def _deploy_ingress(deployment: Deployment, membership: Membership) -> None:
         admin_token=os.environ.get(config.admin_token_env) or None,
         namespace=LEADER_NAMESPACE,
     )
-    serve.start(http_options={"host": config.host, "port": config.port}, detached=False)
-    ingress = OpenAIIngress.options(num_replicas=config.ingress.replicas)  # type: ignore[attr-defined]
+    on_head = config.ingress.placement == "head"
+    serve.start(
+        http_options={"host": config.host, "port": config.port},
+        proxy_location="HeadOnly" if on_head else "EveryNode",
+        detached=False,
+    )
+    actor_options: dict[str, Any] = {"num_cpus": 0}
+    if on_head:
+        actor_options["resources"] = {HEAD_NODE_RESOURCE: 0.001}
+    ingress = OpenAIIngress.options(  # type: ignore[attr-defined]
+        num_replicas=config.ingress.replicas, ray_actor_options=actor_options
+    )
     serve.run(ingress.bind(settings), name=SERVE_APP_NAME, route_prefix="/")
     _wait_until_reachable(f"{deployment.url}/health", INGRESS_REACHABLE_TIMEOUT_S)
 

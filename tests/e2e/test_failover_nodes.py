@@ -1,5 +1,5 @@
-"""Node loss under load: 5 simulated nodes, 2 groups × PP=2, one node spare. The node holding a
-group's second pipeline stage is killed; the group restarts on the spare node, the other group
+"""Node loss under load: 5 simulated nodes, 2 groups × PP=2, one node spare. A node (not the head) holding
+one group's pipeline stage is killed; the group restarts on the spare node, the other group
 never restarts, and no non-streaming request fails. (Its own module: it runs its own cluster in
 this test process, which must not be connected to another one.)"""
 
@@ -37,20 +37,33 @@ def pp_cluster(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         cluster.shutdown()
 
 
+def serve_actor_nodes(server: Server) -> set[str]:
+    """Nodes running a live Serve proxy or ingress replica."""
+    from ray.util.state import list_actors
+
+    actors = list_actors(address=server.ray_address, filters=[("state", "=", "ALIVE")], limit=10_000)
+    return {a.node_id for a in actors if "ProxyActor" in a.class_name or "OpenAIIngress" in a.class_name}
+
+
 def test_lost_node_with_a_pp_stage_restarts_the_group_elsewhere(pp_cluster: tuple[LocalCluster, Server]) -> None:
     cluster, server = pp_cluster
-    target = next(g for g in status(server) if g["name"] == "group-0")
-    stage_nodes = {r["pp_rank"]: r["node_id"] for r in target["ranks"]}
-    assert stage_nodes[0] != stage_nodes[1]
     head = cluster.nodes()[0]
-    victim = next(n for n in cluster.nodes() if n.node_id == stage_nodes[1])
-    assert victim is not head
-    before = group(server, "group-0")
+    assert serve_actor_nodes(server) == {head.node_id}  # the node loss must not take the HTTP path with it
+    groups = {g["name"]: g for g in status(server)}
+    for g in groups.values():
+        assert len({r["node_id"] for r in g["ranks"]}) == 2  # each stage on its own node
+    # A node holding a pipeline stage, not the head (one accelerator slot per node: one rank on it).
+    name, victim_id = next(
+        (g["name"], r["node_id"]) for g in groups.values() for r in g["ranks"] if r["node_id"] != head.node_id
+    )
+    bystander = next(other for other in groups if other != name)
+    victim = next(n for n in cluster.nodes() if n.node_id == victim_id)
+    before = group(server, name)
     with Load(server.url, "tiny-llama") as load:
         cluster.remove_node(victim)
-        after = wait_back_in_routing(server, "group-0", before["generation"])
+        after = wait_back_in_routing(server, name, before["generation"])
         assert load.failures() == [], load.failures()[:3]
     assert sum(after["restarts"].values()) == 1
-    moved = next(g for g in status(server) if g["name"] == "group-0")
-    assert victim.node_id not in {r["node_id"] for r in moved["ranks"]}
-    assert group(server, "group-1")["generation"] == 1  # the other group never restarted
+    moved = next(g for g in status(server) if g["name"] == name)
+    assert victim_id not in {r["node_id"] for r in moved["ranks"]}
+    assert group(server, bystander)["generation"] == 1  # the other group never restarted
