@@ -50,6 +50,10 @@ class PlacementOptions:
     load; the last few 0.1% cost most of the planning time."""
     max_swaps_per_rank: int = 4
     """Swap budget per layer, times the number of ranks; bounds planning time."""
+    max_count_moves: int = 4
+    """Replica-count moves tried on a layer whose packing loses to DeepSeek's (see ``_search_counts``)."""
+    count_move_breadth: int = 8
+    """Each move takes a replica from one of this many experts and gives it to one of this many."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,31 +120,75 @@ def plan_placement(
     counts = replica_counts_capped(weight, num_physical, cap=num_ranks)
     baseline = deepseek.rebalance_experts(weight, num_physical, shape.num_groups, num_nodes, num_ranks)
     fresh = _best_fresh(weight, counts, shape, baseline, options)
+    counts = replica_counts(fresh.reshape(weight.shape[0], num_physical), shape.num_logical)
     if old_physical_to_logical is None:
         return fresh.reshape(weight.shape[0], num_physical)
 
     old = old_physical_to_logical.reshape(weight.shape[0], num_ranks, shape.slots_per_rank)
     fresh_max = _max_load(fresh, weight)
-    # Never less balanced than DeepSeek's plan, unless even the best fresh placement is.
     baseline_max = _max_load(baseline, weight, num_ranks)
-    keep_max = np.minimum(fresh_max * (1 + options.keep_slack), np.maximum(baseline_max, fresh_max))
     ranks_per_block = num_ranks // num_nodes if shape.node_aware_possible else 1
     old_counts = replica_counts(old_physical_to_logical, shape.num_logical)
     old_counts_usable = np.asarray((old_counts >= 1).all(axis=1) & (old_counts <= num_ranks).all(axis=1))
     max_swaps = options.max_swaps_per_rank * num_ranks
-    layouts = []
+    choices = []
     for layer in range(weight.shape[0]):
+        layer_choices = []
         # Replica counts drift with sampling noise; keeping the old counts first avoids moving replicas for it.
         tries = [old_counts[layer], counts[layer]] if old_counts_usable[layer] else [counts[layer]]
         for layer_counts in tries:
-            kept = _incremental_layout(old[layer], layer_counts, weight[layer] / layer_counts)
-            improve_layout(kept, weight[layer] / layer_counts, keep_max[layer], max_swaps)
-            if (weight[layer] / layer_counts)[kept].sum(axis=1).max() <= keep_max[layer]:
-                layouts.append(kept)
-                break
+            replica_weight = weight[layer] / layer_counts
+            kept = _incremental_layout(old[layer], layer_counts, replica_weight)
+            steps: list[np.ndarray] = [kept.copy()]
+            improve_layout(kept, replica_weight, fresh_max[layer], max_swaps, steps)
+            for step in steps:
+                peak = float(replica_weight[step].sum(axis=1).max())
+                if peak <= fresh_max[layer] * (1 + options.keep_slack):
+                    layer_choices.append(_Choice(step, peak, _slots_moved(step, old[layer])))
+            if layer_choices and layer_choices[-1].peak <= fresh_max[layer]:
+                break  # as balanced as the fresh plan: the fresh plan can only move more
         else:
-            layouts.append(relabel_to_old(fresh[layer], old[layer], ranks_per_block))
-    return np.stack(layouts).reshape(weight.shape[0], num_physical)
+            relabelled = relabel_to_old(fresh[layer], old[layer], ranks_per_block)
+            layer_choices.append(_Choice(relabelled, float(fresh_max[layer]), _slots_moved(relabelled, old[layer])))
+        choices.append(layer_choices)
+    picked = _least_movement_within(choices, budget=float(baseline_max.sum()))
+    return np.stack([choice.layout for choice in picked]).reshape(weight.shape[0], num_physical)
+
+
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    """One candidate layout of a layer: its max rank load and how many slots must receive weights."""
+
+    layout: np.ndarray
+    peak: float
+    moved: int
+
+
+def _least_movement_within(choices: list[list[_Choice]], budget: float) -> list[_Choice]:
+    """One choice per layer: start from each layer's most balanced, then trade balance for less movement,
+    cheapest first (extra max load per slot saved), while the sum of the layers' max loads stays within
+    ``budget`` (DeepSeek's sum: the whole plan stays at least as balanced as DeepSeek's, and the sum of
+    per-layer maxima is what a forward pass waits for)."""
+    picked = [min(layer, key=lambda c: (c.peak, c.moved)) for layer in choices]
+    spare = budget - sum(c.peak for c in picked)
+    trades = sorted(
+        ((c.peak - best.peak) / (best.moved - c.moved), layer, index)
+        for layer, (options, best) in enumerate(zip(choices, picked, strict=True))
+        for index, c in enumerate(options)
+        if c.moved < best.moved
+    )
+    for _, layer, index in trades:
+        candidate, current = choices[layer][index], picked[layer]
+        cost = candidate.peak - current.peak
+        if candidate.moved < current.moved and cost <= spare:
+            picked[layer] = candidate
+            spare -= cost
+    return picked
+
+
+def _slots_moved(layout: np.ndarray, old_layout: np.ndarray) -> int:
+    """Slots of ``layout[ranks, slots]`` whose expert was not on that rank in ``old_layout``."""
+    return int((~(layout[:, :, None] == old_layout[:, None, :]).any(axis=2)).sum())
 
 
 def _best_fresh(
@@ -152,7 +200,8 @@ def _best_fresh(
     duplicate-free; it is cheap, it is computed anyway for the keep bound.
     """
     replica_weight = weight / counts
-    candidates = [_improved(fresh_layouts(weight, counts, shape.num_ranks), replica_weight, options)]
+    baseline_max = _max_load(baseline, weight, shape.num_ranks)
+    candidates = [_improved(fresh_layouts(weight, counts, shape.num_ranks), replica_weight, options, baseline_max)]
     from_baseline = baseline.reshape(weight.shape[0], shape.num_ranks, shape.slots_per_rank).copy()
     baseline_counts = replica_counts(baseline, shape.num_logical)
     for layer in range(weight.shape[0]):
@@ -170,7 +219,52 @@ def _best_fresh(
         node_aware = _node_aware_layouts(weight, shape, options)
         prefer = _max_load(node_aware, weight) <= peaks.min(axis=0) * (1 + options.node_affinity_slack)
         fresh = np.where(prefer[:, None, None], node_aware, fresh)
+    for layer in np.flatnonzero(_max_load(fresh, weight) > baseline_max * (1 + 1e-12)):
+        fresh[layer] = _search_counts(weight[layer], fresh[layer], shape.num_ranks, options, baseline_max[layer])
     return fresh
+
+
+def _search_counts(
+    weight: np.ndarray, layout: np.ndarray, num_ranks: int, options: PlacementOptions, must_reach: float
+) -> np.ndarray:
+    """Move one replica at a time between experts while that packs to a lower max rank load.
+
+    The greedy replica counts are optimal for the heaviest replica, not for the packing: with
+    few slots per rank another split can pack better (DeepSeek's plan gets there with two
+    copies on one rank, which we never place). Run only on layers that lose to DeepSeek.
+    """
+    counts = replica_counts(layout.reshape(1, -1), weight.shape[0])[0]
+    best, best_max = layout, float((weight / counts)[layout].sum(axis=1).max())
+    for _ in range(options.max_count_moves):
+        if best_max <= must_reach:
+            break
+        # Near the greedy's margin: the replicas cheapest to give up, the experts next in line for one.
+        give_up = np.where(counts > 1, weight / np.maximum(counts - 1, 1), np.inf)
+        take = np.where(counts < num_ranks, weight / (counts + 1), -np.inf)
+        donors = [d for d in np.argsort(give_up, kind="stable")[: options.count_move_breadth] if counts[d] > 1]
+        takers = [t for t in np.argsort(-take, kind="stable")[: options.count_move_breadth] if counts[t] < num_ranks]
+        moves = [(d, t) for d in donors for t in takers if d != t]
+        if not moves:
+            break
+        variants = np.repeat(counts[None, :], len(moves), axis=0)
+        rows = np.arange(len(moves))
+        variants[rows, [d for d, _ in moves]] -= 1
+        variants[rows, [t for _, t in moves]] += 1
+        lower_bound = np.maximum((weight / variants).max(axis=1), weight.sum() / num_ranks)
+        variants = variants[lower_bound < best_max]
+        if not len(variants):
+            break
+        weights = np.repeat(weight[None, :], len(variants), axis=0)
+        try:
+            layouts = _improved(fresh_layouts(weights, variants, num_ranks), weights / variants, options)
+        except ValueError:  # some variant has no duplicate-free packing
+            break
+        peaks = np.array([(weight / c)[lay].sum(axis=1).max() for c, lay in zip(variants, layouts, strict=True)])
+        winner = int(np.argmin(peaks))
+        if peaks[winner] >= best_max:
+            break
+        counts, best, best_max = variants[winner], layouts[winner], float(peaks[winner])
+    return best
 
 
 def replica_counts_capped(weight: np.ndarray, num_physical: int, cap: int) -> np.ndarray:
@@ -217,12 +311,18 @@ def fresh_layouts(weight: np.ndarray, counts: np.ndarray, num_ranks: int) -> np.
     return layout
 
 
-def improve_layout(layout: np.ndarray, replica_weight: np.ndarray, target_max: float, max_swaps: int) -> int:
+def improve_layout(
+    layout: np.ndarray,
+    replica_weight: np.ndarray,
+    target_max: float,
+    max_swaps: int,
+    steps: list[np.ndarray] | None = None,
+) -> int:
     """Swap replicas between the most loaded rank and others while that lowers the maximum.
 
     Works in place on ``layout[ranks, slots]``; stops at ``target_max`` or when no swap helps.
     Partners are looked for on the lightest ranks first (cheap), then on all ranks.
-    Returns the number of swaps.
+    Appends a copy of the layout after each swap to ``steps`` if given. Returns the number of swaps.
     """
     num_ranks, slots_per_rank = layout.shape
     holds = _holds(layout, replica_weight.shape[0])
@@ -239,6 +339,8 @@ def improve_layout(layout: np.ndarray, replica_weight: np.ndarray, target_max: f
         if partner is None:
             return swap
         _swap(layout, holds, loads, replica_weight, *partner)
+        if steps is not None:
+            steps.append(layout.copy())
     return max_swaps
 
 
@@ -319,8 +421,11 @@ def _node_aware_layouts(weight: np.ndarray, shape: PlacementShape, options: Plac
     return global_ids.reshape(layers, shape.num_ranks, shape.slots_per_rank)
 
 
-def _improved(layouts: np.ndarray, replica_weight: np.ndarray, options: PlacementOptions) -> np.ndarray:
-    """``layouts`` after swaps, each row stopping near its lower bound (mean rank load, or the heaviest replica)."""
+def _improved(
+    layouts: np.ndarray, replica_weight: np.ndarray, options: PlacementOptions, must_reach: np.ndarray | None = None
+) -> np.ndarray:
+    """``layouts`` after swaps, each row stopping near its lower bound (mean rank load, or the heaviest replica),
+    and not before its max rank load is down to ``must_reach`` (DeepSeek's, where given)."""
     num_ranks = layouts.shape[1]
     lower_bound = np.maximum(
         np.take_along_axis(replica_weight, layouts.reshape(layouts.shape[0], -1), axis=1).sum(axis=1) / num_ranks,
@@ -328,6 +433,8 @@ def _improved(layouts: np.ndarray, replica_weight: np.ndarray, options: Placemen
     )
     for row in range(layouts.shape[0]):
         target = lower_bound[row] * (1 + options.good_enough_slack)
+        if must_reach is not None:
+            target = min(target, float(must_reach[row]))
         improve_layout(layouts[row], replica_weight[row], target, options.max_swaps_per_rank * num_ranks)
     return layouts
 
