@@ -6,21 +6,24 @@ Per layer:
 1. Replica counts: one replica per expert, then each extra slot goes to the expert with the
    highest load per replica (optimal for the max per-replica load), capped at one replica
    per rank so that no rank ever holds two copies of an expert.
-2. Fresh placements: replicas heaviest first onto the lightest rank that has a free slot
-   and does not hold that expert yet, then swaps between the most loaded rank and any other
-   rank while a swap lowers the maximum. Two fresh candidates: global, and node-aware
-   (groups packed onto nodes, replicas placed inside their node) when groups divide by nodes.
-   The node-aware one wins ties (and within ``node_affinity_slack``): it keeps a group's
-   tokens inside one node.
-3. Incremental placement from the old map: experts stay in their slots; surplus replicas
-   leave the most loaded ranks, missing ones fill the freed slots, then the same swaps run
-   only until the layer is as balanced as the best fresh candidate.
-4. The incremental placement wins unless it is less balanced than the best fresh one (by
-   more than ``keep_slack``); a fresh winner is relabelled so that each new rank lands where
-   most of its experts already are, and experts that stay on a rank keep their slot.
-
-``keep_slack`` defaults to 0, so the result is always at least as balanced as the best fresh
-candidate, and movement is only saved where it costs no balance.
+2. A layer whose old placement is already within ``keep_slack`` of the lower bound (mean rank
+   load, heaviest replica) and no worse than DeepSeek's plan is kept as it is, unplanned.
+3. Fresh placements for the others: node-aware first (groups packed onto nodes, replicas placed
+   inside their node) when groups divide by nodes; if it is not within ``good_enough_slack`` of
+   the bound, also global (replicas heaviest first onto the lightest rank that does not hold
+   the expert, then swaps between the most loaded rank and others) and DeepSeek's own plan with
+   its duplicates swapped away. The most balanced wins; node-aware wins ties (it keeps a group's
+   tokens inside one node). A layer that still loses to DeepSeek gets a small search over
+   replica counts (DeepSeek gets there with two copies on one rank, which we never place).
+4. Kept candidates from the old map: experts stay in their slots; surplus replicas leave the most
+   loaded ranks, missing ones fill the freed slots, then swaps; every intermediate layout within
+   ``keep_slack`` of the fresh one is a candidate, as is the fresh one relabelled so that each
+   new rank lands where most of its experts already are.
+5. One candidate per layer: start from the most balanced, then trade balance for movement where
+   it is cheapest (extra max load per slot not moved) while the plan's sum of per-layer max
+   rank loads stays within DeepSeek's. Layers run one after another, so that sum is what a
+   forward pass waits for, and vLLM's balancedness (sum of means over sum of maxima) is never
+   below DeepSeek's.
 """
 
 from __future__ import annotations
@@ -39,9 +42,9 @@ _NEAR_PARTNERS = 8
 @dataclass(frozen=True, slots=True)
 class PlacementOptions:
     keep_slack: float = 0.01
-    """Keep the incremental placement if its max rank load is within this fraction of the
-    best fresh one's (and no higher than DeepSeek's). Under a stationary load the optimum
-    shifts with sampling noise; without slack a few 0.1% of balance would cost a reshuffle."""
+    """A kept (incremental) layout may be this fraction less balanced than the fresh one, layer by
+    layer, as long as the whole plan stays as balanced as DeepSeek's. Under a stationary load the
+    optimum shifts with sampling noise; without slack a few 0.1% of balance would cost a reshuffle."""
     node_affinity_slack: float = 0.0
     """Prefer the node-aware candidate if its max rank load is within this fraction of the
     global one's. 0 picks node-aware only when it balances at least as well."""
@@ -50,6 +53,9 @@ class PlacementOptions:
     load; the last few 0.1% cost most of the planning time."""
     max_swaps_per_rank: int = 4
     """Swap budget per layer, times the number of ranks; bounds planning time."""
+    keep_swaps_per_rank: int = 1
+    """Swap budget per layer when repairing a kept placement, times the number of ranks: each swap moves two
+    replicas, so past this many a fresh placement (relabelled onto the old one) is the cheaper move."""
     max_count_moves: int = 4
     """Replica-count moves tried on a layer whose packing loses to DeepSeek's (see ``_search_counts``)."""
     count_move_breadth: int = 8
@@ -117,42 +123,65 @@ def plan_placement(
         if old_physical_to_logical.shape != (weight.shape[0], num_physical):
             old_physical_to_logical = None
 
+    layers = weight.shape[0]
     counts = replica_counts_capped(weight, num_physical, cap=num_ranks)
     baseline = deepseek.rebalance_experts(weight, num_physical, shape.num_groups, num_nodes, num_ranks)
-    fresh = _best_fresh(weight, counts, shape, baseline, options)
-    counts = replica_counts(fresh.reshape(weight.shape[0], num_physical), shape.num_logical)
-    if old_physical_to_logical is None:
-        return fresh.reshape(weight.shape[0], num_physical)
-
-    old = old_physical_to_logical.reshape(weight.shape[0], num_ranks, shape.slots_per_rank)
-    fresh_max = _max_load(fresh, weight)
     baseline_max = _max_load(baseline, weight, num_ranks)
-    ranks_per_block = num_ranks // num_nodes if shape.node_aware_possible else 1
+    # No layout beats the mean rank load, nor the heaviest replica (greedy counts make it the smallest).
+    lower_bound = np.maximum(weight.sum(axis=1) / num_ranks, (weight / counts).max(axis=1))
+    if old_physical_to_logical is None:
+        return _best_fresh(weight, counts, shape, baseline, baseline_max, lower_bound, options).reshape(layers, -1)
+
+    old = old_physical_to_logical.reshape(layers, num_ranks, shape.slots_per_rank)
     old_counts = replica_counts(old_physical_to_logical, shape.num_logical)
     old_counts_usable = np.asarray((old_counts >= 1).all(axis=1) & (old_counts <= num_ranks).all(axis=1))
-    max_swaps = options.max_swaps_per_rank * num_ranks
+    # Layers whose old placement is within keep_slack of the bound and no worse than DeepSeek's stay as
+    # they are without planning them afresh (under a stationary load, most of them).
+    settled = old_counts_usable & (
+        _max_load(old, weight) <= np.minimum(baseline_max, lower_bound * (1 + options.keep_slack))
+    )
+    todo = np.flatnonzero(~settled)
+    fresh = old.copy()
+    if todo.size:
+        fresh[todo] = _best_fresh(
+            weight[todo], counts[todo], shape, baseline[todo], baseline_max[todo], lower_bound[todo], options
+        )
+    counts = replica_counts(fresh.reshape(layers, num_physical), shape.num_logical)
+    fresh_max = _max_load(fresh, weight)
+    ranks_per_block = num_ranks // num_nodes if shape.node_aware_possible else 1
+    max_swaps = options.keep_swaps_per_rank * num_ranks
+    keep_bound = fresh_max * (1 + options.keep_slack)
+    # With room for every layer at its keep bound, a kept layout never needs to be better than that bound
+    # (more swaps would only move more); otherwise balance is traded layer by layer, so offer the way down.
+    room_for_all = baseline_max.sum() - fresh_max.sum() >= options.keep_slack * fresh_max.sum()
+    swap_target = keep_bound if room_for_all else fresh_max
     choices = []
-    for layer in range(weight.shape[0]):
+    for layer in range(layers):
+        if settled[layer]:
+            choices.append([_Choice(old[layer], float(fresh_max[layer]), 0)])
+            continue
         layer_choices = []
         # Replica counts drift with sampling noise; keeping the old counts first avoids moving replicas for it.
         tries = [old_counts[layer], counts[layer]] if old_counts_usable[layer] else [counts[layer]]
         for layer_counts in tries:
             replica_weight = weight[layer] / layer_counts
+            if replica_weight.max() > keep_bound[layer]:
+                continue  # its heaviest replica alone outweighs the bound: no layout of these counts can keep
             kept = _incremental_layout(old[layer], layer_counts, replica_weight)
             steps: list[np.ndarray] = [kept.copy()]
-            improve_layout(kept, replica_weight, fresh_max[layer], max_swaps, steps)
+            improve_layout(kept, replica_weight, swap_target[layer], max_swaps, steps)
             for step in steps:
                 peak = float(replica_weight[step].sum(axis=1).max())
-                if peak <= fresh_max[layer] * (1 + options.keep_slack):
+                if peak <= keep_bound[layer]:
                     layer_choices.append(_Choice(step, peak, _slots_moved(step, old[layer])))
-            if layer_choices and layer_choices[-1].peak <= fresh_max[layer]:
-                break  # as balanced as the fresh plan: the fresh plan can only move more
+            if layer_choices and layer_choices[-1].peak <= swap_target[layer]:
+                break  # the fresh plan would only move more
         else:
             relabelled = relabel_to_old(fresh[layer], old[layer], ranks_per_block)
             layer_choices.append(_Choice(relabelled, float(fresh_max[layer]), _slots_moved(relabelled, old[layer])))
         choices.append(layer_choices)
     picked = _least_movement_within(choices, budget=float(baseline_max.sum()))
-    return np.stack([choice.layout for choice in picked]).reshape(weight.shape[0], num_physical)
+    return np.stack([choice.layout for choice in picked]).reshape(layers, num_physical)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,16 +221,49 @@ def _slots_moved(layout: np.ndarray, old_layout: np.ndarray) -> int:
 
 
 def _best_fresh(
-    weight: np.ndarray, counts: np.ndarray, shape: PlacementShape, baseline: np.ndarray, options: PlacementOptions
+    weight: np.ndarray,
+    counts: np.ndarray,
+    shape: PlacementShape,
+    baseline: np.ndarray,
+    baseline_max: np.ndarray,
+    lower_bound: np.ndarray,
+    options: PlacementOptions,
 ) -> np.ndarray:
-    """Per layer, the most balanced of: ours (global), DeepSeek's (duplicates swapped away), node-aware.
+    """Per layer, the most balanced of: node-aware, ours (global), DeepSeek's (duplicates swapped away).
 
-    DeepSeek's plan is a candidate so that we are never less balanced than it where it is
-    duplicate-free; it is cheap, it is computed anyway for the keep bound.
+    The node-aware candidate is tried first and wins ties (it keeps a group's tokens inside one
+    node); layers where it is within ``good_enough_slack`` of the bound and no worse than DeepSeek
+    skip the global search. DeepSeek's plan is a candidate so that we are never less balanced than
+    it where it is duplicate-free; layers that still lose get a replica-count search.
     """
-    replica_weight = weight / counts
-    baseline_max = _max_load(baseline, weight, shape.num_ranks)
-    candidates = [_improved(fresh_layouts(weight, counts, shape.num_ranks), replica_weight, options, baseline_max)]
+    layers = weight.shape[0]
+    todo = np.arange(layers)
+    fresh = np.empty((layers, shape.num_ranks, shape.slots_per_rank), dtype=np.int64)
+    if shape.node_aware_possible:
+        node_aware = _node_aware_layouts(weight, shape, options)
+        node_aware_max = _max_load(node_aware, weight)
+        fresh[:] = node_aware
+        todo = np.flatnonzero(node_aware_max > np.minimum(baseline_max, lower_bound * (1 + options.good_enough_slack)))
+    if todo.size:
+        fresh[todo] = _best_global(weight[todo], counts[todo], shape, baseline[todo], baseline_max[todo], options)
+        if shape.node_aware_possible:
+            prefer = node_aware_max[todo] <= _max_load(fresh[todo], weight[todo]) * (1 + options.node_affinity_slack)
+            fresh[todo] = np.where(prefer[:, None, None], node_aware[todo], fresh[todo])
+    for layer in np.flatnonzero(_max_load(fresh, weight) > baseline_max * (1 + 1e-12)):
+        fresh[layer] = _search_counts(weight[layer], fresh[layer], shape.num_ranks, options, baseline_max[layer])
+    return fresh
+
+
+def _best_global(
+    weight: np.ndarray,
+    counts: np.ndarray,
+    shape: PlacementShape,
+    baseline: np.ndarray,
+    baseline_max: np.ndarray,
+    options: PlacementOptions,
+) -> np.ndarray:
+    """Per layer, the more balanced of our global placement and DeepSeek's with duplicates swapped away."""
+    ours = _improved(fresh_layouts(weight, counts, shape.num_ranks), weight / counts, options, baseline_max)
     from_baseline = baseline.reshape(weight.shape[0], shape.num_ranks, shape.slots_per_rank).copy()
     baseline_counts = replica_counts(baseline, shape.num_logical)
     for layer in range(weight.shape[0]):
@@ -210,18 +272,9 @@ def _best_fresh(
                 raise ValueError("more copies of an expert than ranks")
             _repair_duplicates(from_baseline[layer], weight[layer] / baseline_counts[layer])
         except ValueError:  # no duplicate-free form of DeepSeek's plan: not a candidate
-            from_baseline[layer] = candidates[0][layer]
-    candidates.append(from_baseline)
-    peaks = np.stack([_max_load(candidate, weight) for candidate in candidates])
-    best = np.argmin(peaks, axis=0)
-    fresh = np.stack(candidates)[best, np.arange(weight.shape[0])]
-    if shape.node_aware_possible:
-        node_aware = _node_aware_layouts(weight, shape, options)
-        prefer = _max_load(node_aware, weight) <= peaks.min(axis=0) * (1 + options.node_affinity_slack)
-        fresh = np.where(prefer[:, None, None], node_aware, fresh)
-    for layer in np.flatnonzero(_max_load(fresh, weight) > baseline_max * (1 + 1e-12)):
-        fresh[layer] = _search_counts(weight[layer], fresh[layer], shape.num_ranks, options, baseline_max[layer])
-    return fresh
+            from_baseline[layer] = ours[layer]
+    better = _max_load(from_baseline, weight) < _max_load(ours, weight)
+    return np.where(better[:, None, None], from_baseline, ours)
 
 
 def _search_counts(
@@ -448,23 +501,25 @@ def _incremental_layout(old_layout: np.ndarray, counts: np.ndarray, replica_weig
     first_copy[np.unique(rank_expert, return_index=True)[1]] = True
     layout.reshape(-1)[~first_copy] = _NO_EXPERT  # a second copy on one rank is surplus
 
-    def loads() -> np.ndarray:
-        return np.where(layout >= 0, replica_weight[np.maximum(layout, 0)], 0.0).sum(axis=1)
-
-    held = np.bincount(layout[layout >= 0], minlength=counts.shape[0])
+    loads = np.where(layout >= 0, replica_weight[np.maximum(layout, 0)], 0.0).sum(axis=1)
+    held = np.bincount(layout[layout >= 0], minlength=num_logical)
     for expert in np.flatnonzero(held > counts):
         holders = np.flatnonzero((layout == expert).any(axis=1))
-        for rank in holders[np.argsort(-loads()[holders], kind="stable")][: held[expert] - counts[expert]]:
+        for rank in holders[np.argsort(-loads[holders], kind="stable")][: held[expert] - counts[expert]]:
             layout[rank][layout[rank] == expert] = _NO_EXPERT
+            loads[rank] -= replica_weight[expert]
 
-    missing = np.repeat(np.arange(counts.shape[0]), np.maximum(counts - held, 0))
-    rank_loads = loads()
-    for expert in missing[np.argsort(-replica_weight[missing], kind="stable")]:
-        free = (layout == _NO_EXPERT).any(axis=1)
-        allowed = free & ~(layout == expert).any(axis=1)
-        rank = int(np.argmin(np.where(allowed if allowed.any() else free, rank_loads, np.inf)))
-        layout[rank, int(np.argmax(layout[rank] == _NO_EXPERT))] = expert
-        rank_loads[rank] += replica_weight[expert]
+    missing = np.repeat(np.arange(num_logical), np.maximum(counts - held, 0))
+    if missing.size:
+        holds = _holds(layout, num_logical)
+        free = (layout == _NO_EXPERT).sum(axis=1)
+        for expert in missing[np.argsort(-replica_weight[missing], kind="stable")]:
+            allowed = (free > 0) & ~holds[:, expert]
+            rank = int(np.argmin(np.where(allowed if allowed.any() else free > 0, loads, np.inf)))
+            layout[rank, int(np.argmax(layout[rank] == _NO_EXPERT))] = expert
+            loads[rank] += replica_weight[expert]
+            free[rank] -= 1
+            holds[rank, expert] = True
     _repair_duplicates(layout, replica_weight)
     return layout
 
@@ -473,16 +528,17 @@ def _repair_duplicates(layout: np.ndarray, replica_weight: np.ndarray) -> None:
     """Swap away second copies of an expert on one rank, choosing the swap with the lowest peak."""
     num_ranks, slots_per_rank = layout.shape
     ordered = np.sort(layout, axis=1)
-    if not (ordered[:, 1:] == ordered[:, :-1]).any():
+    ranks_with_duplicates = np.flatnonzero((ordered[:, 1:] == ordered[:, :-1]).any(axis=1))
+    if not ranks_with_duplicates.size:
         return
     holds = _holds(layout, replica_weight.shape[0])
     loads = replica_weight[layout].sum(axis=1)
-    for rank in range(num_ranks):
+    other_rank = np.repeat(np.arange(num_ranks), slots_per_rank)
+    for rank in ranks_with_duplicates.tolist():  # a swap below never creates a duplicate elsewhere
         for slot in range(slots_per_rank):
             expert = layout[rank, slot]
-            if int((layout[rank] == expert).sum()) < 2:
+            if layout[rank].tolist().count(expert) < 2:
                 continue
-            other_rank = np.repeat(np.arange(num_ranks), slots_per_rank)
             other = layout.reshape(-1)
             delta = replica_weight[expert] - replica_weight[other]
             allowed = (other_rank != rank) & ~holds[other_rank, expert] & ~holds[rank, other]

@@ -61,13 +61,12 @@ def test_fresh_placement_is_valid_and_at_least_as_balanced_as_deepseek(shape: tu
     ours = plan_placement(weight, physical, groups, nodes, ranks)
     assert_valid(ours, layers, logical, physical, ranks)
     theirs = deepseek.rebalance_experts(weight, physical, groups, nodes, ranks)
-    theirs_has_duplicates = any(len(set(row)) < len(row) for row in theirs.reshape(-1, physical // ranks).tolist())
-    if not theirs_has_duplicates:  # with a duplicate it places a layout our placements may not use
-        assert balancedness(ours, weight, ranks) >= balancedness(theirs, weight, ranks) - 1e-12
+    # Layer by layer, even where DeepSeek's plan puts two copies of an expert on one rank (we never do).
+    assert (rank_loads(ours, weight, ranks).max(axis=1) <= rank_loads(theirs, weight, ranks).max(axis=1) + 1e-9).all()
 
 
-@pytest.mark.parametrize("shape", SHAPES[1:5])
-def test_stationary_load_moves_almost_nothing(shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("shape", SHAPES[:5])
+def test_stationary_load_moves_almost_nothing_and_stays_as_balanced_as_deepseek(shape: tuple[int, ...]) -> None:
     layers, logical, physical, groups, nodes, ranks = shape
     rng = np.random.default_rng(7)
     expected_load = zipf_load(rng, layers, logical, alpha=0.8)
@@ -77,6 +76,8 @@ def test_stationary_load_moves_almost_nothing(shape: tuple[int, ...]) -> None:
         window = rng.poisson(expected_load).astype(float)
         new = plan_placement(window, physical, groups, nodes, ranks, placement)
         assert_valid(new, layers, logical, physical, ranks)
+        theirs = deepseek.rebalance_experts(window, physical, groups, nodes, ranks)
+        assert balancedness(new, window, ranks) >= balancedness(theirs, window, ranks) - 1e-12
         moved.append(slots_needing_transfer(placement, new, ranks).mean())
         placement = new
     assert np.mean(moved) <= 0.10
