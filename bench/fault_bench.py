@@ -140,7 +140,7 @@ class Flotilla:
             check=True,
             timeout=120,
         ).stdout
-        group = next(g for g in json.loads(out) if g["name"] == name)
+        group = next(g for g in json.loads(out)["groups"] if g["name"] == name)
         return int(group["leader"]["pid"]), int(group["ranks"][0]["actor"]["pid"])
 
     def inject(self, fault: str, load: Load) -> FaultResult:

@@ -38,8 +38,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     except ConnectionError as err:
         print(f"flotilla: no Ray cluster at {args.address!r}: {err}", file=sys.stderr)
         return 1
-    groups = status.collect(args.namespace)
-    print(status.render_json(groups) if args.json else status.render_table(groups))
+    cluster = status.collect(args.namespace)
+    print(status.render_json(cluster) if args.json else status.render_table(cluster))
     return 0
 
 

@@ -27,10 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.engine import EngineSpec
+from cluster.eplb.ep_group import EpGroupConfig
 from cluster.group import ReplicaGroup, StartStep
 from cluster.group_api import (
     COORDINATOR_NAME,
     DurationHistogram,
+    EplbStatus,
     FailureKind,
     GroupEvent,
     GroupSnapshot,
@@ -81,8 +83,11 @@ class Coordinator:
         recovery: RecoveryConfig,
         startup_timeout_s: float,
         namespace: str,
+        expert_parallel: EpGroupConfig | None = None,
     ) -> None:
         self.recovery = recovery
+        self.expert_parallel = expert_parallel
+        self.eplb: EplbStatus | None = None
         self.startup_timeout_s = startup_timeout_s
         self.namespace = namespace
         self.started_at = time.time()
@@ -95,6 +100,7 @@ class Coordinator:
         self.membership = self._snapshot()
         self._changed = asyncio.Condition()
         self._supervisor: asyncio.Task[None] | None = None
+        self._eplb_driver: asyncio.Task[None] | None = None
         self._restarted = _was_restarted()
         self._retry_on_failure = self._restarted
         """False during the first start: a group that cannot start at all fails ``flotilla serve`` fast."""
@@ -109,6 +115,8 @@ class Coordinator:
         if self._supervisor is not None:
             return
         self._supervisor = asyncio.create_task(self._supervise())
+        if self.expert_parallel is not None:
+            self._eplb_driver = asyncio.create_task(self._drive_eplb(self.expert_parallel))
         adopted = [False] * len(self.records)
         if self._restarted:
             adopted = await asyncio.gather(*(record.runtime.adopt() for record in self.records.values()))
@@ -122,8 +130,11 @@ class Coordinator:
         await self._publish()
 
     async def shutdown(self) -> None:
-        if self._supervisor is not None:
-            self._supervisor.cancel()
+        for task in (self._supervisor, self._eplb_driver):
+            if task is not None:
+                task.cancel()
+        if self.expert_parallel is not None:
+            await _stop_ep_group(self.namespace)
         for record in self.records.values():
             if record.task is not None:
                 record.task.cancel()
@@ -197,6 +208,29 @@ class Coordinator:
 
     def ping(self) -> float:
         return self.started_at
+
+    # --- expert parallelism ----------------------------------------------------------------------------
+    async def _drive_eplb(self, config: EpGroupConfig) -> None:
+        """Create (or, after a coordinator restart, adopt) the EP group; tick its EPLB controller every
+        ``tick_s`` and publish its status. A dead EP group is created again at the next tick."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        from cluster.eplb.ep_group import EpGroup, ep_group_actor_options
+
+        group: Any = None
+        while True:
+            if group is None:
+                group = ray.remote(EpGroup).options(**ep_group_actor_options(self.namespace)).remote(config)
+            try:
+                self.eplb = await group.tick.remote()
+                await self._publish()
+            except RayActorError as err:
+                logger.error("EP group died (%s); creating it again", _first_line(err))
+                group = None
+            except Exception as err:
+                logger.error("EPLB tick failed: %s", _first_line(err))
+            await asyncio.sleep(config.tick_s)
 
     # --- supervision ------------------------------------------------------------------------------------
     async def _supervise(self) -> None:
@@ -365,6 +399,7 @@ class Coordinator:
             detection=previous.detection if previous else DurationHistogram(),
             recovery=previous.recovery if previous else DurationHistogram(),
             events=list(self.events),
+            eplb=self.eplb,
         )
 
     async def _publish(self) -> None:
@@ -386,9 +421,26 @@ def _same(a: Membership, b: Membership) -> bool:
             [(g.name, g.state, g.generation, g.detail, g.instance_id, g.leader is None) for g in m.groups],
             len(m.events),
             [e.back_in_routing_at for e in m.events],
+            m.eplb,
         )
 
     return key(a) == key(b)
+
+
+async def _stop_ep_group(namespace: str) -> None:
+    import ray
+
+    from cluster.eplb.ep_group import EP_GROUP_NAME
+
+    try:
+        group = ray.get_actor(EP_GROUP_NAME, namespace=namespace)
+    except ValueError:
+        return
+    try:
+        await group.shutdown.remote()  # stops its rank actors
+    except Exception as err:
+        logger.warning("EP group shutdown: %s", _first_line(err))
+    ray.kill(group)
 
 
 def _was_restarted() -> bool:

@@ -161,6 +161,9 @@ class DurationHistogram:
         self.count += 1
         self.total += seconds
 
+    def copy(self) -> DurationHistogram:
+        return DurationHistogram(list(self.counts), self.count, self.total)
+
 
 @dataclass(slots=True)
 class GroupSnapshot:
@@ -198,6 +201,38 @@ class GroupEvent:
     """True when the restart budget ran out and the group was marked failed."""
 
 
+@dataclass(frozen=True, slots=True)
+class RebalanceSummary:
+    duration_s: float
+    balancedness_before: float
+    balancedness_planned: float
+    experts_moved: int
+    bytes_moved: int
+
+
+@dataclass(frozen=True, slots=True)
+class EplbStatus:
+    """An expert-parallel group's load balance and rebalances, as its EPLB controller sees them."""
+
+    state: str
+    """idle, or migrating (one layer at a time)."""
+    ranks: int
+    layers: int
+    logical_experts: int
+    physical_slots: int
+    window_ticks: int
+    balancedness: float | None
+    """Mean over max per-rank load in the window, all layers (vLLM's definition); None before any load."""
+    balancedness_per_layer: tuple[float, ...]
+    rebalances: int
+    skipped_plans: int
+    experts_moved_total: int
+    bytes_moved_total: int
+    rebalance_duration: DurationHistogram
+    migrating_layer: int | None
+    last_rebalance: RebalanceSummary | None
+
+
 @dataclass(slots=True)
 class Membership:
     """Every group as the coordinator sees it; ``version`` grows with every change."""
@@ -211,6 +246,8 @@ class Membership:
     """Time a failed group spent out of routing until it was ready again."""
     events: list[GroupEvent] = field(default_factory=list)
     """The latest failures and recoveries, oldest first (bounded)."""
+    eplb: EplbStatus | None = None
+    """The expert-parallel group's balance, when the coordinator runs one."""
 
     def ready(self) -> list[GroupSnapshot]:
         return [g for g in self.groups if g.state is GroupState.READY]

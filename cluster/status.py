@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import ray
 
-from cluster.group_api import COORDINATOR_NAME, Membership, leader_actor_name
+from cluster.group_api import COORDINATOR_NAME, EplbStatus, Membership, leader_actor_name
 from cluster.leader import LeaderDescription
 from cluster.text_table import format_table
 
@@ -65,7 +65,14 @@ def vllm_worker_actor_name(instance_id: str, rank: int, tp: int, pp: int) -> str
     return name
 
 
-def collect(namespace: str) -> list[GroupStatus]:
+@dataclass(slots=True)
+class ClusterStatus:
+    groups: list[GroupStatus]
+    eplb: EplbStatus | None = None
+    """The expert-parallel group's balance, when the coordinator runs one."""
+
+
+def collect(namespace: str) -> ClusterStatus:
     """Status of every group; actor details need Ray's dashboard (state API) and are "-" without it."""
     from ray.util.state import list_actors
     from ray.util.state.exception import ServerUnavailable
@@ -100,7 +107,7 @@ def collect(namespace: str) -> list[GroupStatus]:
             if lifecycle.state.value != "ready" and status.error and status.error.startswith("ValueError"):
                 status.error = None  # no leader while restarting or failed: the detail says why
         statuses.append(status)
-    return statuses
+    return ClusterStatus(statuses, membership.eplb if membership else None)
 
 
 def coordinator_membership(namespace: str) -> Membership | None:
@@ -149,13 +156,18 @@ def _actor(actor: Any) -> ActorStatus | None:
     return ActorStatus(actor.name, actor.state, actor.node_id, actor.pid)
 
 
-def render_json(groups: list[GroupStatus]) -> str:
-    return json.dumps([asdict(g) for g in groups], indent=2)
+def render_json(status: ClusterStatus) -> str:
+    return json.dumps(asdict(status), indent=2)
 
 
-def render_table(groups: list[GroupStatus]) -> str:
-    if not groups:
-        return "no replica groups found"
+def render_table(status: ClusterStatus) -> str:
+    lines = _group_lines(status.groups) if status.groups else ["no replica groups found"]
+    if status.eplb is not None:
+        lines += ["", *_eplb_lines(status.eplb)]
+    return "\n".join(lines)
+
+
+def _group_lines(groups: list[GroupStatus]) -> list[str]:
     header = ("GROUP", "STATE", "TP×PP", "ROLE", "BUNDLE", "NODE", "ACTOR", "PID", "ACTOR STATE")
     rows: list[tuple[str, ...]] = []
     for g in groups:
@@ -176,7 +188,27 @@ def render_table(groups: list[GroupStatus]) -> str:
         if g.error:
             notes.append(g.error)
         lines += [f"{g.name}: {note}" for note in notes]
-    return "\n".join(lines)
+    return lines
+
+
+def _eplb_lines(eplb: EplbStatus) -> list[str]:
+    balance = "-" if eplb.balancedness is None else f"{eplb.balancedness:.3f}"
+    state = eplb.state if eplb.migrating_layer is None else f"{eplb.state} (layer {eplb.migrating_layer})"
+    lines = [
+        f"EPLB: {eplb.ranks} EP ranks, {eplb.layers} layers, {eplb.logical_experts} experts in "
+        f"{eplb.physical_slots} slots; {state}",
+        f"  balancedness {balance} over {eplb.window_ticks} samples"
+        + (f" (worst layer {min(eplb.balancedness_per_layer):.3f})" if eplb.balancedness_per_layer else ""),
+        f"  rebalances {eplb.rebalances} (plans skipped: {eplb.skipped_plans}), {eplb.experts_moved_total} experts / "
+        f"{eplb.bytes_moved_total / 1e6:.1f} MB moved in all",
+    ]
+    last = eplb.last_rebalance
+    if last is not None:
+        lines.append(
+            f"  last: {last.balancedness_before:.3f} -> {last.balancedness_planned:.3f} planned, "
+            f"{last.experts_moved} experts / {last.bytes_moved / 1e6:.1f} MB in {last.duration_s:.2f} s"
+        )
+    return lines
 
 
 def _actor_cells(actor: ActorStatus | None) -> tuple[str, str, str]:

@@ -12,6 +12,7 @@ from cluster.group_api import (
     DURATION_BUCKETS_S,
     DurationHistogram,
     EngineErrorKind,
+    EplbStatus,
     FailureKind,
     GroupState,
     Membership,
@@ -167,9 +168,57 @@ class MembershipCollector(Collector):
             "How long a failed group stayed out of routing before it was ready again.",
             membership.recovery,
         )
+        if membership.eplb is not None:
+            yield from eplb_metrics(membership.eplb)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+class EplbCollector(Collector):
+    """Only the EPLB metrics, for a process that runs an EP group without serving (``flotilla eplb-demo``)."""
+
+    def __init__(self, eplb: Callable[[], EplbStatus | None]) -> None:
+        self.eplb = eplb
+
+    def collect(self) -> Iterator[Metric]:
+        status = self.eplb()
+        if status is not None:
+            yield from eplb_metrics(status)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+def eplb_metrics(eplb: EplbStatus) -> Iterator[Metric]:
+    """The expert-parallel group's balance and rebalances (its EPLB controller's view)."""
+    per_layer = GaugeMetricFamily(
+        "flotilla_eplb_balancedness", "Mean/max per-rank expert load over the window, per layer", labels=["layer"]
+    )
+    for layer, value in enumerate(eplb.balancedness_per_layer):
+        per_layer.add_metric([str(layer)], value)
+    yield per_layer
+    if eplb.balancedness is not None:
+        yield GaugeMetricFamily(
+            "flotilla_eplb_balancedness_overall",
+            "Sum of mean over sum of max per-rank load, all layers",
+            value=eplb.balancedness,
+        )
+    yield GaugeMetricFamily(
+        "flotilla_eplb_migrating", "1 while a rebalance moves expert weights", value=float(eplb.state == "migrating")
+    )
+    yield CounterMetricFamily("flotilla_eplb_rebalances", "Completed EPLB rebalances", value=eplb.rebalances)
+    yield CounterMetricFamily(
+        "flotilla_eplb_experts_moved",
+        "Expert replicas whose weights moved between ranks",
+        value=eplb.experts_moved_total,
+    )
+    yield CounterMetricFamily(
+        "flotilla_eplb_bytes_moved", "Expert weight bytes moved between ranks", value=eplb.bytes_moved_total
+    )
+    yield _histogram(
+        "flotilla_eplb_rebalance_duration_seconds", "Rebalance, plan to last layer swapped", eplb.rebalance_duration
+    )
 
 
 def _histogram(name: str, documentation: str, histogram: DurationHistogram) -> HistogramMetricFamily:

@@ -2,7 +2,7 @@
 
 The coordinator calls ``EplbController.tick(now)`` periodically (each call is short: it
 drains the runtime's load counters and advances by at most one migration step), and shows
-``describe()`` in ``flotilla status``. One rebalance:
+``status()`` in ``flotilla status``. One rebalance:
 
     IDLE --(armed, balancedness < trigger, interval passed, plan gains enough)--> MIGRATING
     MIGRATING: tick n begins layer l's transfers, tick n+1 swaps it, … one layer at a time,
@@ -21,15 +21,15 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.eplb.balance import balancedness_of_rank_loads, rank_loads
 from cluster.eplb.placement import plan_placement
 from cluster.eplb.transfers import LayerMigration
+from cluster.group_api import DurationHistogram, EplbStatus, RebalanceSummary
 
 
 class EpRuntime(Protocol):
@@ -128,45 +128,6 @@ class RebalanceRecord:
 
 
 @dataclass(slots=True)
-class _Metrics:
-    balancedness: Gauge
-    balancedness_overall: Gauge
-    rebalances: Counter
-    experts_moved: Counter
-    bytes_moved: Counter
-    duration: Histogram
-
-    @classmethod
-    def create(cls, registry: CollectorRegistry) -> _Metrics:
-        return cls(
-            Gauge(
-                "flotilla_eplb_balancedness",
-                "Mean/max per-rank expert load over the window",
-                ["layer"],
-                registry=registry,
-            ),
-            Gauge(
-                "flotilla_eplb_balancedness_overall",
-                "Sum of mean over sum of max per-rank load, all layers",
-                registry=registry,
-            ),
-            Counter("flotilla_eplb_rebalances_total", "Completed EPLB rebalances", registry=registry),
-            Counter(
-                "flotilla_eplb_experts_moved_total",
-                "Expert replicas whose weights moved between ranks",
-                registry=registry,
-            ),
-            Counter("flotilla_eplb_bytes_moved_total", "Expert weight bytes moved between ranks", registry=registry),
-            Histogram(
-                "flotilla_eplb_rebalance_duration_seconds",
-                "Plan to last layer swapped",
-                buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
-                registry=registry,
-            ),
-        )
-
-
-@dataclass(slots=True)
 class _LoadWindow:
     """Per-tick logical load ``[layers, logical]`` and per-rank load ``[layers, ranks]``."""
 
@@ -194,11 +155,9 @@ class EplbController:
         self,
         runtime: EpRuntime,
         config: EplbControllerConfig | None = None,
-        registry: CollectorRegistry | None = None,
     ) -> None:
         self.runtime = runtime
         self.config = config or EplbControllerConfig()
-        self.metrics = _Metrics.create(registry or CollectorRegistry())
         self.window = _LoadWindow(self.config.window_ticks)
         self.state = EplbState.IDLE
         self.armed = True
@@ -209,6 +168,8 @@ class EplbController:
         self.experts_moved_total = 0
         self.bytes_moved_total = 0
         self.skipped_plans = 0
+        self.durations = DurationHistogram()
+        """Rebalance durations, plan to last layer swapped."""
         self._rebalance: _Rebalance | None = None
         self._last_start_s: float | None = None
 
@@ -222,31 +183,35 @@ class EplbController:
             self._plan(now)
         return self.state
 
-    def describe(self) -> dict[str, Any]:
+    def status(self) -> EplbStatus:
         last = self.last_rebalance
-        return {
-            "state": self.state.value,
-            "armed": self.armed,
-            "window_ticks": len(self.window),
-            "balancedness_overall": self.balancedness_overall,
-            "balancedness_per_layer": None
+        return EplbStatus(
+            state=self.state.value,
+            ranks=self.runtime.num_ranks,
+            layers=self.runtime.num_layers,
+            logical_experts=self.runtime.num_logical,
+            physical_slots=self.runtime.num_physical,
+            window_ticks=len(self.window),
+            balancedness=self.balancedness_overall,
+            balancedness_per_layer=()
             if self.balancedness_per_layer is None
-            else [round(float(b), 4) for b in self.balancedness_per_layer],
-            "rebalances": self.rebalances,
-            "skipped_plans": self.skipped_plans,
-            "experts_moved_total": self.experts_moved_total,
-            "bytes_moved_total": self.bytes_moved_total,
-            "migrating_layer": None if self._rebalance is None else self._rebalance.next_layer,
-            "last_rebalance": None
+            else tuple(round(float(b), 4) for b in self.balancedness_per_layer),
+            rebalances=self.rebalances,
+            skipped_plans=self.skipped_plans,
+            experts_moved_total=self.experts_moved_total,
+            bytes_moved_total=self.bytes_moved_total,
+            rebalance_duration=self.durations.copy(),
+            migrating_layer=None if self._rebalance is None else self._rebalance.next_layer,
+            last_rebalance=None
             if last is None
-            else {
-                "duration_s": round(last.duration_s, 3),
-                "balancedness_before": round(last.balancedness_before, 4),
-                "balancedness_planned": round(last.balancedness_planned, 4),
-                "experts_moved": last.experts_moved,
-                "bytes_moved": last.bytes_moved,
-            },
-        }
+            else RebalanceSummary(
+                duration_s=round(last.duration_s, 3),
+                balancedness_before=round(last.balancedness_before, 4),
+                balancedness_planned=round(last.balancedness_planned, 4),
+                experts_moved=last.experts_moved,
+                bytes_moved=last.bytes_moved,
+            ),
+        )
 
     def _record_load(self) -> None:
         slot_load = self.runtime.drain_expert_load().astype(np.float64)
@@ -257,9 +222,6 @@ class EplbController:
         self.window.add(logical, by_rank)
         per_layer, overall = balancedness_of_rank_loads(np.sum(self.window.ranks, axis=0))
         self.balancedness_per_layer, self.balancedness_overall = per_layer, overall
-        for layer, value in enumerate(per_layer):
-            self.metrics.balancedness.labels(layer=str(layer)).set(float(value))
-        self.metrics.balancedness_overall.set(overall)
         if overall >= self.config.rearm_balancedness:
             self.armed = True
 
@@ -334,10 +296,7 @@ class EplbController:
         self.rebalances += 1
         self.experts_moved_total += record.experts_moved
         self.bytes_moved_total += record.bytes_moved
-        self.metrics.rebalances.inc()
-        self.metrics.experts_moved.inc(record.experts_moved)
-        self.metrics.bytes_moved.inc(record.bytes_moved)
-        self.metrics.duration.observe(record.duration_s)
+        self.durations.observe(record.duration_s)
         self._rebalance = None
         self.state = EplbState.IDLE
         self.armed = False

@@ -1,21 +1,25 @@
-"""``flotilla eplb-demo``: the CPU EP runtime serving a skewed token stream while the controller rebalances."""
+"""``flotilla eplb-demo``: a coordinator-owned CPU EP group serves a skewed token stream while EPLB rebalances it."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from cluster.eplb.controller import EplbController, EplbControllerConfig, EplbState
+from cluster.eplb.controller import EplbControllerConfig
+from cluster.eplb.ep_group import EpGroupConfig
 from cluster.eplb.moe import MoeCheckpoint
+from cluster.group_api import EplbStatus, Membership
 
 DEMO_CONFIG = EplbControllerConfig(
     window_ticks=8, min_window_ticks=4, trigger_balancedness=0.8, rearm_balancedness=0.85, min_interval_s=5.0
 )
 """Short windows and interval so a rebalance happens within seconds; production defaults are minutes."""
+DEMO_TICK_S = 0.5
 
 
 def skewed_tokens(checkpoint: MoeCheckpoint, count: int, hot_expert: int, rng: np.random.Generator) -> np.ndarray:
@@ -37,50 +41,92 @@ def run_demo(
     metrics_port: int | None,
     say: Callable[[str], None],
 ) -> int:
+    """Start a coordinator that owns one EP group, feed the group skewed tokens, report what EPLB does."""
     import ray
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from cluster.eplb.runtime import CpuEpRuntime
+    from cluster.coordinator import Coordinator, coordinator_actor_options
+    from cluster.group_api import LEADER_NAMESPACE
+    from cluster.lifecycle import RecoveryConfig
+    from router.metrics import EplbCollector
 
-    registry = CollectorRegistry()
-    if metrics_port is not None:
-        start_http_server(metrics_port, registry=registry)
-        say(f"metrics on http://127.0.0.1:{metrics_port}/metrics")
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=max(num_ranks, 2), include_dashboard=False, log_to_driver=False)
-    checkpoint = MoeCheckpoint(model_dir)
-    runtime = CpuEpRuntime(model_dir, num_ranks=num_ranks, num_redundant=num_redundant)
-    controller = EplbController(runtime, DEMO_CONFIG, registry)
-    say(f"{num_ranks} EP ranks, {runtime.num_physical} slots for {runtime.num_logical} experts; serving skewed tokens")
-    rng = np.random.default_rng(0)
-    stream = skewed_tokens(checkpoint, 4 * tokens_per_step, hot_expert=5, rng=rng)
-    started = time.monotonic()
-    step, state = 0, EplbState.IDLE
+        ray.init(
+            address="local",
+            namespace=LEADER_NAMESPACE,
+            num_cpus=max(num_ranks, 2),
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+    config = EpGroupConfig(
+        model=model_dir, ranks=num_ranks, redundant=num_redundant, tick_s=DEMO_TICK_S, controller=DEMO_CONFIG
+    )
+    coordinator: Any = (
+        ray.remote(Coordinator)
+        .options(**coordinator_actor_options(LEADER_NAMESPACE))
+        .remote({}, RecoveryConfig(), 600.0, LEADER_NAMESPACE, config)
+    )
     try:
+        ray.get(coordinator.start.remote())
+
+        def membership() -> Membership:
+            return cast(Membership, ray.get(coordinator.get_membership.remote()))
+
+        if metrics_port is not None:
+            registry = CollectorRegistry()
+            registry.register(EplbCollector(lambda: membership().eplb))
+            start_http_server(metrics_port, registry=registry)
+            say(f"metrics on http://127.0.0.1:{metrics_port}/metrics")
+        say(f"`flotilla status --address {ray.get_runtime_context().gcs_address}` shows the EPLB block")
+        group = wait_for_ep_group(LEADER_NAMESPACE, timeout_s=300)
+        say(f"{num_ranks} EP ranks up; serving skewed tokens, the coordinator ticks EPLB every {DEMO_TICK_S} s")
+        checkpoint = MoeCheckpoint(model_dir)
+        rng = np.random.default_rng(0)
+        stream = skewed_tokens(checkpoint, 4 * tokens_per_step, hot_expert=5, rng=rng)
+        started = time.monotonic()
+        step, reported = 0, None
         while time.monotonic() - started < duration_s:
             batch = stream[rng.integers(0, stream.shape[0], tokens_per_step)]
-            runtime.forward(batch, np.arange(step * tokens_per_step, (step + 1) * tokens_per_step))
-            new_state = controller.tick()
+            ray.get(group.forward.remote(batch, np.arange(step * tokens_per_step, (step + 1) * tokens_per_step)))
             step += 1
-            if new_state is not state or step % 20 == 0:
-                _report(controller, step, say)
-            state = new_state
+            eplb = membership().eplb
+            if eplb is not None and ((eplb.state, eplb.rebalances) != reported or step % 20 == 0):
+                say(f"step {step}: {describe(eplb)}")
+                reported = (eplb.state, eplb.rebalances)
     except KeyboardInterrupt:
         say("interrupted")
     finally:
-        runtime.shutdown()
-    _report(controller, step, say)
+        ray.get(coordinator.shutdown.remote())
+        ray.kill(coordinator, no_restart=True)
     return 0
 
 
-def _report(controller: EplbController, step: int, say: Callable[[str], None]) -> None:
-    snapshot = controller.describe()
-    line = f"step {step}: {snapshot['state']}, balancedness {snapshot['balancedness_overall']:.3f}"
-    last = snapshot["last_rebalance"]
+def wait_for_ep_group(namespace: str, timeout_s: float) -> Any:
+    """The coordinator's EP group, once it answers (its ranks have loaded their experts)."""
+    import ray
+
+    from cluster.eplb.ep_group import EP_GROUP_NAME
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            group = ray.get_actor(EP_GROUP_NAME, namespace=namespace)
+            ray.get(group.status.remote(), timeout=max(deadline - time.monotonic(), 1))
+            return group
+        except ValueError:  # not created yet
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the EP group did not start within {timeout_s:.0f} s") from None
+            time.sleep(0.2)
+
+
+def describe(eplb: EplbStatus) -> str:
+    balance = "-" if eplb.balancedness is None else f"{eplb.balancedness:.3f}"
+    line = f"{eplb.state}, balancedness {balance}"
+    last = eplb.last_rebalance
     if last is not None:
         line += (
-            f"; rebalances {snapshot['rebalances']}, last {last['balancedness_before']:.3f} -> planned "
-            f"{last['balancedness_planned']:.3f}, {last['experts_moved']} experts / {last['bytes_moved'] / 1e6:.1f} MB "
-            f"moved in {last['duration_s']:.2f} s"
+            f"; rebalances {eplb.rebalances}, last {last.balancedness_before:.3f} -> planned "
+            f"{last.balancedness_planned:.3f}, {last.experts_moved} experts / {last.bytes_moved / 1e6:.1f} MB "
+            f"moved in {last.duration_s:.2f} s"
         )
-    say(line)
+    return line

@@ -90,7 +90,8 @@ def routed_to(server: Server, name: str) -> float:
     )
 
 
-def status(server: Server) -> list[dict[str, Any]]:
+def cluster_status(server: Server) -> dict[str, Any]:
+    """``flotilla status --json``: {"groups": [...], "eplb": ... or null}."""
     result = subprocess.run(
         [sys.executable, "-m", "cluster.cli", "status", "--json", "--address", server.ray_address],
         cwd=REPO,
@@ -99,7 +100,11 @@ def status(server: Server) -> list[dict[str, Any]]:
         timeout=120,
         check=True,
     )
-    return list(json.loads(result.stdout))
+    return dict(json.loads(result.stdout))
+
+
+def status(server: Server) -> list[dict[str, Any]]:
+    return list(cluster_status(server)["groups"])
 
 
 def rank_pid(server: Server, name: str, rank: int) -> int:

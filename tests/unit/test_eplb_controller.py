@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
@@ -9,6 +11,9 @@ from prometheus_client import CollectorRegistry
 from cluster.eplb.balance import replica_counts
 from cluster.eplb.controller import EplbController, EplbControllerConfig, EplbState
 from cluster.eplb.transfers import LayerMigration, plan_layer_migration
+from cluster.group_api import Membership
+from cluster.status import ClusterStatus, render_json, render_table
+from router.metrics import MembershipCollector
 
 LAYERS, LOGICAL, RANKS, PHYSICAL = 3, 16, 4, 20
 
@@ -115,24 +120,31 @@ def test_a_new_skew_after_a_rebalance_is_handled() -> None:
     assert controller.balancedness_overall > max(after_shift, controller.config.trigger_balancedness)
 
 
-def test_metrics_and_describe() -> None:
-    registry = CollectorRegistry()
+def test_status_reaches_metrics_and_flotilla_status() -> None:
     runtime = SimulatedRuntime(skewed())
-    controller = EplbController(runtime, config(), registry)
+    controller = EplbController(runtime, config())
     run(controller, 3 + 2 * LAYERS + 3)
+    eplb = controller.status()
+    assert eplb.state == "idle" and eplb.rebalances == 1 and eplb.experts_moved_total > 0
+    assert eplb.last_rebalance is not None
+    assert eplb.last_rebalance.balancedness_planned > eplb.last_rebalance.balancedness_before
+    assert len(eplb.balancedness_per_layer) == LAYERS
+
+    # What every ingress replica exports from the coordinator's membership snapshot.
+    registry = CollectorRegistry()
+    registry.register(MembershipCollector(lambda: Membership(1, 0.0, [], eplb=eplb)))
     value = registry.get_sample_value
     assert value("flotilla_eplb_rebalances_total") == 1
-    moved = value("flotilla_eplb_experts_moved_total")
-    assert moved is not None and moved > 0
-    assert value("flotilla_eplb_bytes_moved_total") == moved * runtime.expert_bytes
+    assert value("flotilla_eplb_experts_moved_total") == eplb.experts_moved_total
+    assert value("flotilla_eplb_bytes_moved_total") == eplb.experts_moved_total * runtime.expert_bytes
     assert value("flotilla_eplb_rebalance_duration_seconds_count") == 1
-    assert value("flotilla_eplb_balancedness", {"layer": "0"}) == pytest.approx(controller.balancedness_per_layer[0])
-    assert value("flotilla_eplb_balancedness_overall") == pytest.approx(controller.balancedness_overall)
-    snapshot = controller.describe()
-    assert snapshot["state"] == "idle" and snapshot["rebalances"] == 1
-    assert snapshot["experts_moved_total"] == moved
-    assert snapshot["last_rebalance"]["balancedness_planned"] > snapshot["last_rebalance"]["balancedness_before"]
-    assert len(snapshot["balancedness_per_layer"]) == LAYERS
+    assert value("flotilla_eplb_balancedness", {"layer": "0"}) == eplb.balancedness_per_layer[0]
+    assert value("flotilla_eplb_balancedness_overall") == pytest.approx(eplb.balancedness)
+    assert value("flotilla_eplb_migrating") == 0
+
+    table = render_table(ClusterStatus([], eplb))
+    assert f"EPLB: {RANKS} EP ranks, {LAYERS} layers" in table and "rebalances 1 " in table
+    assert json.loads(render_json(ClusterStatus([], eplb)))["eplb"]["rebalances"] == 1
 
 
 def test_config_rejects_rearm_below_trigger() -> None:
