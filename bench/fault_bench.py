@@ -235,6 +235,7 @@ class RayServe:
             "model": MODEL,
             "kv": 256 << 20,
             "blocks": 1024,
+            "max_model_len": 2048,  # tiny-llama's max_position_embeddings (vLLM refuses more)
             "port": port,
             "replicas": 2,
             "router": "",

@@ -383,7 +383,8 @@ config = LLMConfig(
     accelerator_config={"kind": "cpu"},
     placement_group_config={"bundles": [{"CPU": 1}]},
     engine_kwargs={"dtype": "float32", "kv_cache_memory_bytes": %(kv)d, "enable_prefix_caching": True,
-                   "num_gpu_blocks_override": %(blocks)d, "max_model_len": 4096, "enable_prompt_tokens_details": True,
+                   "num_gpu_blocks_override": %(blocks)d, "max_model_len": %(max_model_len)d,
+                   "enable_prompt_tokens_details": True,
                    "compilation_config": {"mode": 2, "backend": "eager"}},
     deployment_config={"num_replicas": %(replicas)d%(router)s},
 )
@@ -428,6 +429,7 @@ class RayServeLlm:
             "model": MODEL,
             "kv": 512 << 20,
             "blocks": blocks,
+            "max_model_len": 4096,
             "port": port,
             "replicas": 4,
             "router": ', "request_router_config": {"request_router_class": PrefixCacheAffinityRouter}',
