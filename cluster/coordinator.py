@@ -40,6 +40,7 @@ from cluster.group_api import (
     Membership,
 )
 from cluster.lifecycle import RecoveryConfig, RestartBudget
+from cluster.placement import HEAD_NODE_RESOURCE
 
 logger = logging.getLogger(__name__)
 MAX_EVENTS = 100
@@ -122,9 +123,14 @@ class Coordinator:
             adopted = await asyncio.gather(*(record.runtime.adopt() for record in self.records.values()))
             logger.warning("coordinator restarted: adopted %d of %d groups", sum(adopted), len(adopted))
         for record, ready in zip(self.records.values(), adopted, strict=True):
+            record.generation = record.runtime.generation
             if ready:
-                record.generation = record.runtime.generation
                 self._set_state(record, GroupState.READY, "adopted after a coordinator restart")
+            elif self._restarted:
+                # Broken while no coordinator watched (perhaps by what killed the last one): whatever is
+                # left of it holds resources, so it is torn down and restarted like any failed group.
+                kind = FailureKind.ENGINE_DEAD if record.generation else FailureKind.LEADER_DIED
+                self._restart_now(record, Failure(kind, "not ready when a new coordinator took over"))
             else:
                 record.task = asyncio.create_task(self._start_group(record))
         await self._publish()
@@ -280,6 +286,9 @@ class Coordinator:
     def _begin_restart(self, record: GroupRecord, failure: Failure, drain: bool = False) -> None:
         if record.state in (GroupState.RESTARTING, GroupState.STARTING, GroupState.STOPPED):
             return  # someone else noticed first
+        self._restart_now(record, failure, drain)
+
+    def _restart_now(self, record: GroupRecord, failure: Failure, drain: bool = False) -> None:
         detected = time.time()
         event = GroupEvent(record.name, failure.reason, failure.kind, record.last_healthy_at, detected)
         self._add_event(event)
@@ -476,13 +485,10 @@ def _dead_workers(placement_group: Any) -> list[str]:
 
 
 def coordinator_actor_options(namespace: str) -> dict[str, Any]:
-    """Named, restarted by Ray whenever it dies (it re-adopts the groups it finds), and kept on this
-    node (the head, with the control plane) while it lives, not on a worker node that may be lost."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
+    """Named, restarted by Ray whenever it dies (it re-adopts the groups it finds), and on the head
+    node, with the control plane, not on a worker node that may be lost with the groups it watches."""
     return {
-        "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
+        "resources": {HEAD_NODE_RESOURCE: 0.001},
         "name": COORDINATOR_NAME,
         "namespace": namespace,
         "lifetime": "detached",

@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.engine import EngineSpec
 from cluster.group_api import LEADER_NAMESPACE, leader_actor_name
-from cluster.leader import EngineInfo, GroupLeader, LeaderPhase
+from cluster.leader import EngineInfo, GroupLeader, LeaderDescription, LeaderPhase
 from cluster.placement import (
     LEADER_BUNDLE_INDEX,
     RankAssignment,
@@ -45,6 +45,10 @@ class StartStep(StrEnum):
     READY = "ready"
     FAILED = "failed"
     STOPPED = "stopped"
+
+
+ADOPT_TIMEOUT_S = 5.0
+"""A leader that does not describe itself within this is not adopted (it may be hung)."""
 
 
 def placement_group_name(group_name: str) -> str:
@@ -121,13 +125,13 @@ class ReplicaGroup:
         """Take over a ready group left by a previous owner (a coordinator that restarted)."""
         try:
             leader = ray.get_actor(leader_actor_name(self.name), namespace=self.namespace)
-            description = await leader.describe.remote()
+            description: LeaderDescription = await asyncio.wait_for(leader.describe.remote(), ADOPT_TIMEOUT_S)
         except Exception:
             return False
+        self.generation = description.generation  # kept even when not adopted: the next start is newer
         if description.phase is not LeaderPhase.READY or description.info is None:
             return False
         self.leader, self.info, self.instance_id = leader, description.info, description.vllm_instance_id
-        self.generation = description.generation
         self.placement_group = get_placement_group(placement_group_name(self.name))
         self.step = StartStep.READY
         return True

@@ -26,6 +26,7 @@ from cluster.layout import check_capacity, check_layout
 from cluster.leader import EngineInfo
 from cluster.local_ray import LocalCluster, LocalClusterShape
 from cluster.model_spec import ModelSpec, UnsupportedModelError
+from cluster.placement import HEAD_NODE_RESOURCE
 from cluster.planner import GIB, ClusterSpec, LinkKind, Workload, choose_for_groups
 from cluster.ports import free_port
 
@@ -246,10 +247,6 @@ async def _wait_for_groups(coordinator: Any, say: Say) -> Membership:
         if len(membership.ready()) == len(membership.groups):
             return membership
         await asyncio.sleep(PROGRESS_POLL_S)
-
-
-# Ray gives the head node this resource; a tiny demand of it pins an actor there.
-HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 
 def _deploy_ingress(deployment: Deployment, membership: Membership) -> None:

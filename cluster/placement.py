@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 LEADER_BUNDLE_INDEX = 0
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+"""Ray gives the head node this resource; a tiny demand of it pins an actor (ingress, coordinator) there."""
 
 
 class PlacementError(RuntimeError):

@@ -80,9 +80,12 @@ class FakeGroup:
 
     started: list[str] = []
     fail_starts: set[str] = set()
+    leftovers: dict[str, tuple[int, bool]] = {}
+    """group → (generation, ready) of what a previous coordinator left running."""
+    torn_down: list[str] = []
 
     def __init__(self, name: str, spec: EngineSpec, namespace: str = "", generation: int = 0) -> None:
-        self.name, self.spec = name, spec
+        self.name, self.spec, self.generation = name, spec, generation
         self.step = StartStep.PLACING
         self.leader: FakeLeader | None = None
         self.info = None
@@ -101,9 +104,13 @@ class FakeGroup:
         self.step = StartStep.READY
 
     async def adopt(self) -> bool:
-        return False
+        self.generation, ready = FakeGroup.leftovers.get(self.name, (0, False))
+        if ready:
+            self.leader, self.instance_id, self.step = FakeLeader(), f"{self.name}-adopted", StartStep.READY
+        return ready
 
     async def teardown(self, graceful: bool = True) -> None:
+        FakeGroup.torn_down.append(self.name)
         self.leader, self.step = None, StartStep.STOPPED
 
     def describe_step(self) -> str:
@@ -112,7 +119,7 @@ class FakeGroup:
 
 @pytest.fixture
 def fake_groups(monkeypatch: pytest.MonkeyPatch) -> type[FakeGroup]:
-    FakeGroup.started, FakeGroup.fail_starts = [], set()
+    FakeGroup.started, FakeGroup.fail_starts, FakeGroup.leftovers, FakeGroup.torn_down = [], set(), {}, []
     monkeypatch.setattr(coordinator_module, "ReplicaGroup", FakeGroup)
     return FakeGroup
 
@@ -153,6 +160,29 @@ def test_a_dead_leader_restarts_only_its_group(fake_groups: type[FakeGroup]) -> 
         assert g1.instance_id == first["g1"] and g1.generation == 1 and not g1.restarts
         assert back.events[-1].kind == "leader_died" and back.events[-1].back_in_routing_at is not None
         assert back.recovery.count == 1 and back.detection.count == 1
+        await coordinator.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_new_coordinator_adopts_ready_groups_and_restarts_broken_ones(
+    fake_groups: type[FakeGroup], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A coordinator restarted by Ray finds g1 serving and g0 broken (say, by the node loss that also
+    killed the old coordinator): g1 is adopted untouched, g0's leftovers are torn down (they hold
+    resources) and it restarts with a newer generation, counted as a restart."""
+    monkeypatch.setattr(coordinator_module, "_was_restarted", lambda: True)
+    fake_groups.leftovers = {"g0": (3, False), "g1": (2, True)}
+
+    async def scenario() -> None:
+        coordinator = make_coordinator()
+        await coordinator.start()
+        back = await until(coordinator, lambda m: len(m.ready()) == 2)
+        g0, g1 = back.group("g0"), back.group("g1")
+        assert g0 is not None and g1 is not None
+        assert g1.generation == 2 and g1.instance_id == "g1-adopted" and not g1.restarts
+        assert g0.generation == 4 and g0.restarts == {"engine_dead": 1}
+        assert fake_groups.torn_down == ["g0"] and fake_groups.started == ["g0"]
         await coordinator.shutdown()
 
     asyncio.run(scenario())
