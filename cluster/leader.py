@@ -32,6 +32,7 @@ from cluster.group_api import (
     SamplingSpec,
 )
 from cluster.output_channel import OutputChannel
+from cluster.ports import free_ports
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,8 @@ class GroupLeader:
         host = ray.util.get_node_ip_address()
         events = None
         if self.spec.kv_events:
-            port, replay_port = _free_ports(host, 2)
+            # Not OS-assigned ports: another socket could take one before the engine binds it.
+            port, replay_port = free_ports(2)
             events = kv_events_config(host, port, replay_port)
         args = AsyncEngineArgs(**engine_kwargs(self.spec, on_cpu, events))
         vllm_config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
@@ -347,20 +349,6 @@ class SchedulerStatsRecorder:
                 pass
 
         return _Logger(vllm_config, engine_index)
-
-
-def _free_ports(host: str, count: int) -> list[int]:
-    """Ports free on ``host`` right now (the engine binds them moments later)."""
-    import socket
-
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def _node_resources(node_id: str) -> dict[str, float]:

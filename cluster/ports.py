@@ -1,4 +1,4 @@
-"""Free TCP ports for the listeners Flotilla configures itself (dashboards, HAProxy stats).
+"""Free TCP ports for the listeners Flotilla configures itself (dashboards, HAProxy stats, KV events).
 
 Ports come from 20000–29999: above Ray's worker port range (10002–19999) and below Linux's
 ephemeral range (32768+), so a port chosen now is not taken by an OS-assigned socket before its
@@ -14,13 +14,21 @@ PORT_RANGE = (20000, 30000)
 
 
 def free_port() -> int:
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free on every address right now (their owner binds them moments later)."""
     candidates = list(range(*PORT_RANGE))
     random.shuffle(candidates)
+    chosen: list[int] = []
     for port in candidates:
         with socket.socket() as sock:
             try:
                 sock.bind(("", port))
             except OSError:
                 continue
-            return port
-    raise RuntimeError(f"no free TCP port in {PORT_RANGE}")
+        chosen.append(port)
+        if len(chosen) == count:
+            return chosen
+    raise RuntimeError(f"fewer than {count} free TCP ports in {PORT_RANGE}")
