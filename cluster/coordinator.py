@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.engine import EngineSpec
-from cluster.eplb.ep_group import EpGroupConfig
+from cluster.eplb.ep_group import EP_GROUP_NAME, EpGroup, EpGroupConfig, ep_group_actor_options
 from cluster.group import ReplicaGroup, StartStep
 from cluster.group_api import (
     COORDINATOR_NAME,
@@ -221,8 +221,6 @@ class Coordinator:
         ``tick_s`` and publish its status. A dead EP group is created again at the next tick."""
         import ray
         from ray.exceptions import RayActorError
-
-        from cluster.eplb.ep_group import EpGroup, ep_group_actor_options
 
         group: Any = None
         while True:
@@ -438,8 +436,6 @@ def _same(a: Membership, b: Membership) -> bool:
 
 async def _stop_ep_group(namespace: str) -> None:
     import ray
-
-    from cluster.eplb.ep_group import EP_GROUP_NAME
 
     try:
         group = ray.get_actor(EP_GROUP_NAME, namespace=namespace)

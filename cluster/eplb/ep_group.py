@@ -59,10 +59,6 @@ class EpGroup:
         with self._lock:
             return self.controller.status()
 
-    def physical_to_logical(self) -> np.ndarray:
-        with self._lock:
-            return self.runtime.physical_to_logical()
-
     def shutdown(self) -> None:
         with self._lock:
             self.runtime.shutdown()
