@@ -21,7 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cluster.lifecycle import RecoveryConfig
-from router.settings import FailoverConfig, RoutingConfig
+from router.settings import FailoverConfig, RoutingConfig, ServingConfig
 
 # Engine arguments that Flotilla sets itself from the fields above.
 RESERVED_ENGINE_ARGS = frozenset(
@@ -32,6 +32,7 @@ RESERVED_ENGINE_ARGS = frozenset(
         "pipeline_parallel_size",
         "data_parallel_size",
         "distributed_executor_backend",
+        "reasoning_parser",  # serving.reasoning_parser sets it for the groups and the ingress alike
     }
 )
 
@@ -149,6 +150,7 @@ class ServeConfig(_Strict):
         description="Extra vLLM AsyncEngineArgs fields (checked against vLLM at startup).",
     )
     cpu: CpuEngineDefaults = CpuEngineDefaults()
+    serving: ServingConfig = ServingConfig()
     routing: RoutingConfig = RoutingConfig()
     failover: FailoverConfig = FailoverConfig()
     coordinator: RecoveryConfig = RecoveryConfig()
@@ -167,7 +169,7 @@ class ServeConfig(_Strict):
     def _no_reserved_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
         clash = sorted(RESERVED_ENGINE_ARGS & value.keys())
         if clash:
-            raise ValueError(f"engine_args may not set {clash}: use the top-level fields instead")
+            raise ValueError(f"engine_args may not set {clash}: Flotilla sets them from other fields of the config")
         return value
 
     @property

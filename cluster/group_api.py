@@ -1,15 +1,15 @@
 """The contract between the ingress and a replica group's leader.
 
-The ingress tokenizes, validates and routes; it submits a :class:`GenerateRequest` holding
-prompt token ids to the chosen group's leader actor (``submit``, a Ray actor call). Outputs
-come back over a ZeroMQ PUSH→PULL socket per (ingress replica, group): each message is a
-batch of :class:`RequestOutput`, every chunk ready at that moment for that ingress's requests,
-encoded with msgpack (:func:`encode_outputs`). Token streams thus skip Ray's per-object
-machinery; a Ray call held open for the channel's life (``attach``) tells the ingress when the
-leader dies.
+The ingress renders, validates and routes with vLLM's own frontend; it submits the resulting
+``EngineCoreRequest`` (prompt token ids and checked sampling parameters) to the chosen group's
+leader actor (``submit``, a Ray actor call). The leader's ``AsyncLLM`` outputs come back over a
+ZeroMQ PUSH→PULL socket per (ingress replica, group): each message is a batch of
+:class:`WireOutput`, every output ready at that moment for that ingress's requests, encoded
+with msgpack (:func:`encode_outputs`). Token streams thus skip Ray's per-object machinery; a
+Ray call held open for the channel's life (``attach``) tells the ingress when the leader dies.
 
-Both sides import only this module from each other, and it imports nothing heavy (no vLLM,
-no Ray), so the ingress stays light.
+Both sides import only this module from each other; it imports vLLM only inside the two
+converters (:func:`to_wire`, :func:`from_wire`).
 """
 
 from __future__ import annotations
@@ -30,46 +30,6 @@ def leader_actor_name(group_name: str) -> str:
     return f"flotilla-leader-{group_name}"
 
 
-@dataclass(slots=True)
-class SamplingSpec:
-    """Sampling parameters, already validated by the ingress (OpenAI names and units)."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_tokens: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-
-
-@dataclass(slots=True)
-class GenerateRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingSpec
-    stream: bool = True
-    """When False the leader yields a single final chunk (fewer messages for non-streaming calls)."""
-
-
-@dataclass(slots=True)
-class GenerateChunk:
-    """New output since the previous chunk of the same request."""
-
-    text: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
 class EngineErrorKind(StrEnum):
     BAD_REQUEST = "bad_request"
     ENGINE_DEAD = "engine_dead"
@@ -88,32 +48,154 @@ class GroupEngineError(Exception):
         return (GroupEngineError, (self.kind, self.message))
 
 
-@dataclass(slots=True)
-class RequestOutput:
-    """One item of a channel batch: a chunk of ``request_id``, or the error that ended it."""
+# --- outputs on the channel: vLLM's RequestOutput, typed for msgpack ----------------------------
+# vLLM's RequestOutput is a plain class holding dataclasses and dicts keyed by token id, which no
+# typed decoder accepts; these structs carry exactly what the OpenAI serving layer reads from it.
 
-    request_id: str
-    chunk: GenerateChunk | None = None
+
+class WireLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+WirePosition = list[WireLogprob] | None
+"""One position's candidates (the sampled token and the top ones); None where vLLM has None."""
+
+
+class WireCompletion(msgspec.Struct, array_like=True):
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[WirePosition] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class WireOutput(msgspec.Struct, array_like=True):
+    """One item of a channel batch: a ``RequestOutput`` of the request ``key``, or the error that ended it."""
+
+    key: str
+    """The channel's id of this attempt (not vLLM's request id, which a client may repeat)."""
+    request_id: str = ""
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[WirePosition] | None = None
+    outputs: list[WireCompletion] = []
+    finished: bool = False
+    num_cached_tokens: int | None = None
+    num_cache_creation_tokens: int | None = None
+    flat_logprobs: bool = False
     error_kind: EngineErrorKind | None = None
     error_message: str = ""
 
     @classmethod
-    def failed(cls, request_id: str, error: GroupEngineError) -> RequestOutput:
-        return cls(request_id, error_kind=error.kind, error_message=error.message)
+    def failed(cls, key: str, error: GroupEngineError) -> WireOutput:
+        return cls(key, error_kind=error.kind, error_message=error.message, finished=True)
 
     def error(self) -> GroupEngineError | None:
         return None if self.error_kind is None else GroupEngineError(self.error_kind, self.error_message)
 
+    def generated_token_ids(self) -> list[int]:
+        """Tokens of the first sequence in this output (for routing's bookkeeping)."""
+        return self.outputs[0].token_ids if self.outputs else []
+
+
+def to_wire(key: str, output: Any) -> WireOutput:
+    """A vLLM ``RequestOutput`` as a channel item (in the leader)."""
+    from vllm.logprobs import FlatLogprobs
+
+    return WireOutput(
+        key,
+        request_id=output.request_id,
+        prompt_token_ids=list(output.prompt_token_ids) if output.prompt_token_ids is not None else None,
+        prompt_logprobs=_positions_to_wire(output.prompt_logprobs),
+        outputs=[
+            WireCompletion(
+                c.index,
+                c.text,
+                list(c.token_ids),
+                c.cumulative_logprob,
+                _positions_to_wire(c.logprobs),
+                c.finish_reason,
+                c.stop_reason,
+            )
+            for c in output.outputs
+        ],
+        finished=output.finished,
+        num_cached_tokens=output.num_cached_tokens,
+        num_cache_creation_tokens=output.num_cache_creation_tokens,
+        flat_logprobs=isinstance(output.prompt_logprobs, FlatLogprobs)
+        or any(isinstance(c.logprobs, FlatLogprobs) for c in output.outputs),
+    )
+
+
+def from_wire(item: WireOutput) -> Any:
+    """The vLLM ``RequestOutput`` a channel item carries (in the ingress)."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    return RequestOutput(
+        request_id=item.request_id,
+        prompt=None,
+        prompt_token_ids=item.prompt_token_ids,
+        prompt_logprobs=_positions_from_wire(item.prompt_logprobs, item.flat_logprobs),
+        outputs=[
+            CompletionOutput(
+                index=c.index,
+                text=c.text,
+                token_ids=c.token_ids,
+                cumulative_logprob=c.cumulative_logprob,
+                logprobs=_positions_from_wire(c.logprobs, item.flat_logprobs),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in item.outputs
+        ],
+        finished=item.finished,
+        num_cached_tokens=item.num_cached_tokens,
+        num_cache_creation_tokens=item.num_cache_creation_tokens,
+    )
+
+
+def _positions_to_wire(positions: Any) -> list[WirePosition] | None:
+    if positions is None:
+        return None
+    return [
+        None
+        if candidates is None
+        else [WireLogprob(token_id, p.logprob, p.rank, p.decoded_token) for token_id, p in candidates.items()]
+        for candidates in positions
+    ]
+
+
+def _positions_from_wire(positions: list[WirePosition] | None, flat: bool) -> Any:
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    if positions is None:
+        return None
+    restored = [
+        None
+        if candidates is None
+        else {c.token_id: Logprob(c.logprob, c.rank, c.decoded_token) for c in candidates}
+        for candidates in positions
+    ]
+    if not flat:
+        return restored
+    container = FlatLogprobs()
+    container.extend(restored)
+    return container
+
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(list[RequestOutput])
+_decoder = msgspec.msgpack.Decoder(list[WireOutput])
 
 
-def encode_outputs(batch: list[RequestOutput]) -> bytes:
+def encode_outputs(batch: list[WireOutput]) -> bytes:
     return _encoder.encode(batch)
 
 
-def decode_outputs(payload: bytes) -> list[RequestOutput]:
+def decode_outputs(payload: bytes) -> list[WireOutput]:
     """Typed decoding: a malformed or foreign message raises, it never builds arbitrary objects."""
     return _decoder.decode(payload)
 

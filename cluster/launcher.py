@@ -69,7 +69,28 @@ def validate(config: ServeConfig) -> tuple[ServeConfig, ModelSpec, list[str]]:
     unknown = unknown_engine_args(config.engine_args)
     if unknown:
         raise ConfigError(f"engine_args has fields vLLM does not know: {unknown}")
+    _check_serving(config)
     return config, spec, notes
+
+
+def _check_serving(config: ServeConfig) -> None:
+    """The serving layer's flags, checked by vLLM's own rules; API keys present when asked for."""
+    from router.frontend import check_parsers, serving_args
+
+    try:
+        serving_args(config.serving, str(config.model_path), config.model_name)
+        check_parsers(config.serving, str(config.engine_args.get("tokenizer", config.model_path)))
+    except (ValueError, TypeError, KeyError) as err:
+        raise ConfigError(f"invalid serving config: {err}") from None
+    if config.serving.api_keys_env and not _api_keys(config):
+        raise ConfigError(f"serving.api_keys_env names {config.serving.api_keys_env}, which holds no API key")
+
+
+def _api_keys(config: ServeConfig) -> tuple[str, ...]:
+    if not config.serving.api_keys_env:
+        return ()
+    raw = os.environ.get(config.serving.api_keys_env, "")
+    return tuple(key.strip() for key in raw.split(",") if key.strip())
 
 
 def _plan_layout(config: ServeConfig) -> tuple[ServeConfig, list[str]]:
@@ -204,12 +225,15 @@ def _engine_spec(config: ServeConfig, cluster: LocalCluster | None) -> EngineSpe
     if threads is None and cluster is not None:
         # Simulated nodes share this machine's cores, so divide them over every worker.
         threads = max(1, (os.cpu_count() or 1) // (config.groups * config.slots_per_group))
+    engine_args = dict(config.engine_args)
+    if config.serving.reasoning_parser:
+        engine_args["reasoning_parser"] = config.serving.reasoning_parser
     return EngineSpec(
         model=str(config.model_path),
         served_model_name=config.model_name,
         tensor_parallel_size=config.tp,
         pipeline_parallel_size=config.pp,
-        engine_args=dict(config.engine_args),
+        engine_args=engine_args,
         cpu_kv_cache_memory_bytes=config.cpu.kv_cache_memory_bytes,
         cpu_threads_per_worker=threads,
         kv_events=config.routing.kv_events,
@@ -256,14 +280,15 @@ def _deploy_ingress(deployment: Deployment, membership: Membership) -> None:
     config = deployment.config
     infos = [cast(EngineInfo, g.info) for g in membership.ready()]
     settings = IngressSettings(
-        model_name=config.model_name,
-        model_path=str(config.model_path),
+        engine=_engine_spec(config, deployment.cluster),
         max_model_len=min(info.max_model_len for info in infos),
         block_size=infos[0].block_size,
         routing=config.routing,
         failover=config.failover,
         admin_token=os.environ.get(config.admin_token_env) or None,
         namespace=LEADER_NAMESPACE,
+        serving=config.serving,
+        api_keys=_api_keys(config),
     )
     on_head = config.ingress.placement == "head"
     serve.start(

@@ -23,14 +23,7 @@ from cluster.engine import (
     running_on_flotilla_cpu,
     worker_env,
 )
-from cluster.group_api import (
-    EngineErrorKind,
-    GenerateChunk,
-    GenerateRequest,
-    GroupEngineError,
-    RequestOutput,
-    SamplingSpec,
-)
+from cluster.group_api import EngineErrorKind, GroupEngineError, to_wire
 from cluster.output_channel import OutputChannel
 from cluster.ports import free_ports
 
@@ -180,14 +173,15 @@ class GroupLeader:
             kv_events_replay_endpoint=events["replay_endpoint"] if events else None,
         )
 
-    async def submit(self, channel_id: str, address: str, request: GenerateRequest) -> None:
-        """Start ``request``; its output is pushed to the ingress channel at ``address``."""
+    async def submit(self, channel_id: str, address: str, key: str, request: Any) -> None:
+        """Start ``request`` (a ``vllm.v1.engine.EngineCoreRequest``, rendered and validated by the
+        ingress); its outputs are pushed, tagged with ``key``, to the ingress channel at ``address``."""
         if self.phase is not LeaderPhase.READY:
             raise GroupEngineError(EngineErrorKind.ENGINE_DEAD, f"group {self.group_name} is {self.phase.value}")
         if self.num_unfinished_requests() == 0:
             self._scheduler_stats.progressed()  # an idle engine has made no progress for good reason
         channel = self._channel(channel_id, address)
-        channel.requests[request.request_id] = asyncio.create_task(self._run(channel, request))
+        channel.requests[key] = asyncio.create_task(self._run(channel, key, request))
 
     async def attach(self, channel_id: str, address: str) -> None:
         """Held open by an ingress for its channel's life; it fails only if this actor dies.
@@ -201,9 +195,9 @@ class GroupLeader:
             self._channels.pop(channel_id, None)
             channel.close()
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, key: str) -> None:
         for channel in self._channels.values():
-            task = channel.requests.get(request_id)
+            task = channel.requests.get(key)
             if task is not None:
                 task.cancel()  # AsyncLLM.generate aborts the engine request when cancelled
 
@@ -212,38 +206,34 @@ class GroupLeader:
             self._channels[channel_id] = OutputChannel(channel_id, address)
         return self._channels[channel_id]
 
-    async def _run(self, channel: OutputChannel, request: GenerateRequest) -> None:
+    async def _run(self, channel: OutputChannel, key: str, request: Any) -> None:
+        """Stream one request's outputs to its channel; every way it can end sends the ingress a last item."""
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        request_id = request.request_id
-        params = _sampling_params(request.sampling, request.stream)
-        prompt = {"prompt_token_ids": request.prompt_token_ids}
         finished = False
         try:
-            async for output in self.engine.generate(prompt, params, request_id):
-                completion = output.outputs[0]
-                finished = completion.finish_reason is not None
-                chunk = GenerateChunk(
-                    text=completion.text,
-                    token_ids=list(completion.token_ids),
-                    num_prompt_tokens=len(output.prompt_token_ids or ()),
-                    num_cached_tokens=output.num_cached_tokens or 0,
-                    finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason,
-                )
-                channel.put(RequestOutput(request_id, chunk))
+            # An EngineCoreRequest skips AsyncLLM's input processing: the ingress already did it.
+            async for output in self.engine.generate(request, request.params, request.request_id):
+                finished = output.finished
+                channel.put(to_wire(key, output))
             if not finished:
                 raise GroupEngineError(EngineErrorKind.INTERNAL, "the engine ended the request without finishing it")
         except EngineDeadError as err:
             self.phase, self.error = LeaderPhase.FAILED, str(err)
-            channel.fail(request_id, EngineErrorKind.ENGINE_DEAD, str(err))
+            channel.fail(key, EngineErrorKind.ENGINE_DEAD, str(err))
         except (VLLMClientError, ValueError) as err:
-            channel.fail(request_id, EngineErrorKind.BAD_REQUEST, str(err))
+            channel.fail(key, EngineErrorKind.BAD_REQUEST, str(err))
         except GroupEngineError as err:
-            channel.fail(request_id, err.kind, err.message)
+            channel.fail(key, err.kind, err.message)
+        except asyncio.CancelledError:  # aborted; the ingress may still be waiting if the abort came from elsewhere
+            channel.fail(key, EngineErrorKind.INTERNAL, "the request was aborted in the group")
+            raise
+        except Exception as err:  # anything else still ends the request at the ingress, never a silent hang
+            logger.exception("request %s failed in group %s", request.request_id, self.group_name)
+            channel.fail(key, EngineErrorKind.INTERNAL, f"{type(err).__name__}: {err}")
         finally:
-            channel.requests.pop(request_id, None)
+            channel.requests.pop(key, None)
 
     async def check_health(self) -> None:
         if self.engine is None:
@@ -296,27 +286,6 @@ class GroupLeader:
             self.engine.shutdown()
             self.engine = None
         self.phase = LeaderPhase.STOPPED
-
-
-def _sampling_params(spec: SamplingSpec, stream: bool):  # -> vllm.SamplingParams
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-    return SamplingParams(
-        max_tokens=spec.max_tokens,
-        temperature=spec.temperature,
-        top_p=spec.top_p,
-        top_k=spec.top_k,
-        min_tokens=spec.min_tokens,
-        seed=spec.seed,
-        stop=spec.stop or None,
-        stop_token_ids=spec.stop_token_ids or None,
-        presence_penalty=spec.presence_penalty,
-        frequency_penalty=spec.frequency_penalty,
-        repetition_penalty=spec.repetition_penalty,
-        ignore_eos=spec.ignore_eos,
-        skip_special_tokens=spec.skip_special_tokens,
-        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-    )
 
 
 class SchedulerStatsRecorder:

@@ -28,13 +28,22 @@ SPECIAL_TOKENS = (
     "<|end_header_id|>",
     "<|eot_id|>",
     "<|pad|>",
+    "<|python_tag|>",  # vLLM's llama3_json tool parser requires it
 )
-BOS, EOS, _, _, EOT, PAD = SPECIAL_TOKENS
+BOS, EOS, _, _, EOT, PAD, _ = SPECIAL_TOKENS
+# Llama-3 headers; tools the Llama-3.1 JSON way (vLLM's `llama3_json` tool parser reads the calls back).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|start_header_id|>system<|end_header_id|>\n\n"
+    'Call a function by answering with JSON {"name": function name, "parameters": its arguments}. Functions:\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|eot_id|>{% endif %}"
     "{% for message in messages %}"
     "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
-    "{{ message['content'] }}<|eot_id|>"
+    "{% if message.get('tool_calls') %}{% for call in message['tool_calls'] %}"
+    '{"name": "{{ call[\'function\'][\'name\'] }}", "parameters": '
+    "{% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}}"
+    "{% endfor %}{% else %}{{ message['content'] }}{% endif %}<|eot_id|>"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
@@ -74,7 +83,7 @@ class TinyModelSpec:
         return self.num_local_experts > 0
 
     def fingerprint(self) -> str:
-        payload = json.dumps({"spec": asdict(self), "format": 1}, sort_keys=True)
+        payload = json.dumps({"spec": asdict(self), "format": 1, "chat_template": CHAT_TEMPLATE, "special_tokens": SPECIAL_TOKENS}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 

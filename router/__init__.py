@@ -1,1 +1,1 @@
-"""Request path: OpenAI protocol, tokenization, routing policies and the Ray Serve ingress."""
+"""Request path: vLLM's OpenAI frontend in the ingress, the routed engine client, routing policies."""

@@ -1,15 +1,16 @@
 """The ingress end of one group: submit requests, demultiplex the group's output batches.
 
 Per (ingress replica, group) there is one ZeroMQ PULL socket on this node; the leader pushes
-msgpack batches of :class:`RequestOutput` to it, and a pump task hands each chunk to its
+msgpack batches of :class:`WireOutput` to it, and a pump task hands each output to its
 request's queue. Requests are submitted with plain Ray actor calls, and one call held open for
 the channel's life (``attach``) fails when the leader dies, which fails every waiting request
-at once.
+at once: no request waits on a group that is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -18,14 +19,9 @@ import ray
 import zmq
 import zmq.asyncio
 
-from cluster.group_api import (
-    EngineErrorKind,
-    GenerateChunk,
-    GenerateRequest,
-    GroupEngineError,
-    RequestOutput,
-    decode_outputs,
-)
+from cluster.group_api import EngineErrorKind, GroupEngineError, WireOutput, decode_outputs
+
+logger = logging.getLogger(__name__)
 
 
 class GroupChannel:
@@ -36,34 +32,32 @@ class GroupChannel:
         self._socket.setsockopt(zmq.LINGER, 0)
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._queues: dict[str, asyncio.Queue[WireOutput]] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._queues)
+    async def stream(self, request: Any, key: str) -> AsyncGenerator[WireOutput, None]:
+        """Outputs of ``request`` (an ``EngineCoreRequest``) until its last; leaving early aborts it in the engine.
 
-    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
-        """Chunks of ``request`` until its final one; leaving early aborts it in the engine."""
+        ``key`` names this attempt on the channel (unique; the leader's ``abort`` takes it too).
+        Raises :class:`GroupEngineError` when the group fails or rejects the request.
+        """
         self._ensure_started()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._queues[request.request_id] = queue
+        queue: asyncio.Queue[WireOutput] = asyncio.Queue()
+        self._queues[key] = queue
         finished = False
         try:
-            await self.leader.submit.remote(self.channel_id, self.address, request)
+            await self.leader.submit.remote(self.channel_id, self.address, key, request)
             while not finished:
                 output = await queue.get()
+                finished = output.finished
                 error = output.error()
                 if error is not None:
-                    finished = True
                     raise error
-                assert output.chunk is not None
-                finished = output.chunk.finish_reason is not None
-                yield output.chunk
+                yield output
         finally:
-            del self._queues[request.request_id]
+            del self._queues[key]
             if not finished:
-                self.leader.abort.remote(request.request_id)
+                self.leader.abort.remote(key)
 
     def close(self) -> None:
         for task in self._tasks:
@@ -78,8 +72,15 @@ class GroupChannel:
 
     async def _pump(self) -> None:
         while True:
-            for output in decode_outputs(await self._socket.recv()):
-                queue = self._queues.get(output.request_id)
+            payload = await self._socket.recv()
+            try:
+                outputs = decode_outputs(payload)
+            except Exception as err:  # not our leader's format: nothing on this channel can be trusted to finish
+                logger.error("undecodable message on the channel to %s: %s", self.address, err)
+                self._fail_all(f"undecodable output message: {err}")
+                continue
+            for output in outputs:
+                queue = self._queues.get(output.key)
                 if queue is not None:
                     queue.put_nowait(output)
 
@@ -93,6 +94,9 @@ class GroupChannel:
             raise
         except Exception as err:
             failure = f"{type(err).__name__}: {err}"
-        error = GroupEngineError(EngineErrorKind.ENGINE_DEAD, failure)
-        for request_id, queue in list(self._queues.items()):
-            queue.put_nowait(RequestOutput.failed(request_id, error))
+        self._fail_all(failure)
+
+    def _fail_all(self, message: str) -> None:
+        error = GroupEngineError(EngineErrorKind.ENGINE_DEAD, message)
+        for key, queue in list(self._queues.items()):
+            queue.put_nowait(WireOutput.failed(key, error))

@@ -61,10 +61,10 @@ class GroupDirectory:
         self.apply(membership)
 
     @classmethod
-    def connect(cls, settings: IngressSettings) -> GroupDirectory:
+    async def connect(cls, settings: IngressSettings) -> GroupDirectory:
         """Find the coordinator by name and take its current membership."""
         coordinator = ray.get_actor(COORDINATOR_NAME, namespace=settings.namespace)
-        membership = cast(Membership, ray.get(coordinator.get_membership.remote()))  # type: ignore[call-overload]
+        membership = cast(Membership, await coordinator.get_membership.remote())
         return cls(settings, coordinator, membership, ray.util.get_node_ip_address())
 
     # --- membership --------------------------------------------------------------------------------
@@ -111,9 +111,6 @@ class GroupDirectory:
             member.feed.stop()
             member.feed = None
         member.channel.close()
-
-    def is_current(self, member: Member) -> bool:
-        return self.members.get(member.name) is member and member.routable
 
     def report_failure(self, member: Member, error: str) -> None:
         """Ask the coordinator to check the group now (fire and forget)."""

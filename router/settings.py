@@ -1,13 +1,65 @@
-"""Configuration of the request path: routing, and the ingress deployment's own settings."""
+"""Configuration of the request path: the OpenAI serving layer, routing, and the ingress's own settings."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cluster.engine import EngineSpec
 from cluster.group_api import LEADER_NAMESPACE
 from router.policies import DEFAULT_POLICY, make_policy
+
+
+class ServingConfig(BaseModel):
+    """vLLM's OpenAI serving layer, configured by the names of ``vllm serve``'s flags.
+
+    Every field but ``api_keys_env`` and ``extra_args`` is the vLLM flag of the same name
+    (``chat_template`` is ``--chat-template``); ``extra_args`` takes any other field of vLLM's
+    ``FrontendArgs`` and is checked against it when ``flotilla serve`` starts.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    chat_template: str | None = Field(
+        None, description="Chat template (a file or the template itself); default: the tokenizer's."
+    )
+    chat_template_content_format: Literal["auto", "string", "openai"] = Field(
+        "auto", description="How message content is handed to the chat template."
+    )
+    default_chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Keyword arguments every chat template call gets (requests may override them)."
+    )
+    trust_request_chat_template: bool = Field(False, description="Accept a chat_template sent in a request.")
+    response_role: str = Field("assistant", description="Role of generated chat messages.")
+    enable_auto_tool_choice: bool = Field(
+        False, description="Let the model call tools by itself (tool_choice auto); needs tool_call_parser."
+    )
+    tool_call_parser: str | None = Field(
+        None, description="vLLM tool parser that turns model output into tool calls (e.g. llama3_json, hermes)."
+    )
+    reasoning_parser: str | None = Field(
+        None, description="vLLM reasoning parser (e.g. deepseek_r1); also set on every group's engine."
+    )
+    enable_prompt_tokens_details: bool = Field(
+        True,
+        description="usage.prompt_tokens_details.cached_tokens in responses (vLLM's default is off; ours is on).",
+    )
+    enable_force_include_usage: bool = Field(False, description="Usage in every streamed response.")
+    return_tokens_as_token_ids: bool = Field(False, description="Logprob tokens as 'token_id:N'.")
+    enable_log_requests: bool = Field(False, description="Log every request (prompts included).")
+    max_log_len: int | None = Field(None, ge=0, description="Characters of prompts logged with enable_log_requests.")
+    api_keys_env: str | None = Field(
+        None,
+        description=(
+            "Environment variable holding the API keys (comma-separated) that /v1/* requires as "
+            "'Authorization: Bearer KEY' (401 otherwise); read when flotilla serve starts. Unset: /v1/* is open. "
+            "/health and /metrics are always open."
+        ),
+    )
+    extra_args: dict[str, Any] = Field(
+        default_factory=dict, description="Other fields of vLLM's FrontendArgs (checked at startup)."
+    )
 
 
 class RoutingConfig(BaseModel):
@@ -56,11 +108,20 @@ class FailoverConfig(BaseModel):
 class IngressSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model_name: str
-    model_path: str
+    engine: EngineSpec = Field(..., description="The groups' engine: the ingress renders and validates as it would.")
     max_model_len: int
     block_size: int = Field(..., description="KV block size of every group's engine (the router hashes by it).")
     routing: RoutingConfig = RoutingConfig()
     failover: FailoverConfig = FailoverConfig()
     namespace: str = Field(LEADER_NAMESPACE, description="Ray namespace of the coordinator and the group leaders.")
     admin_token: str | None = Field(None, description="Bearer token for /admin/*; None disables those endpoints.")
+    serving: ServingConfig = ServingConfig()
+    api_keys: tuple[str, ...] = Field((), description="Bearer keys /v1/* requires; empty: open.")
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.served_model_name
+
+    @property
+    def model_path(self) -> str:
+        return self.engine.model

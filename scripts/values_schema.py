@@ -139,7 +139,9 @@ def values_schema() -> dict[str, Any]:
                 "annotations": MAP,
             }
         ),
-        "secrets": _obj({"create": {"type": "boolean"}, "existingSecret": STR, "adminToken": STR, "hfToken": STR}),
+        "secrets": _obj(
+            {"create": {"type": "boolean"}, "existingSecret": STR, "adminToken": STR, "apiKeys": STR, "hfToken": STR}
+        ),
         "metrics": _obj(
             {
                 "serviceMonitor": _obj(

@@ -207,7 +207,7 @@ def test_probes_leave_room_for_slow_model_loads(mode: str) -> None:
     (container,) = template["spec"]["containers"]
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
-    assert container["livenessProbe"]["httpGet"]["path"] == "/v1/models"  # alive even with no ready group
+    assert container["livenessProbe"]["httpGet"]["path"] == "/version"  # alive even with no ready group, open
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"  # 503 without a routable group
     tolerations = {t["key"]: t["tolerationSeconds"] for t in template["spec"]["tolerations"]}
     assert tolerations["node.kubernetes.io/unreachable"] == 60
@@ -233,6 +233,21 @@ def test_secrets_hold_tokens_and_pods_read_them() -> None:
     init = head["spec"]["initContainers"][0]
     assert "snapshot_download" in init["args"][0] and any(e["name"] == "HF_TOKEN" for e in init["env"])
     assert by_kind(objects("kuberay", {"secrets": {"existingSecret": "mine"}}), "Secret") == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_api_keys_come_from_the_secret_to_the_serving_pod_and_the_test_pod(mode: str) -> None:
+    values = {"config": {"serving": {"api_keys_env": "FLOTILLA_API_KEYS"}}, "secrets": {"apiKeys": "k1,k2"}}
+    objs = objects(mode, values)
+    secret = only(objs, "Secret")
+    assert "api-keys" in secret["data"]
+    serving = only(objs, "RayService" if mode == "kuberay" else "LeaderWorkerSet")
+    head = dict(_templates(serving))["head" if mode == "kuberay" else "leader"]
+    for container in (head["spec"]["containers"][0], only(objs, "Pod")["spec"]["containers"][0]):
+        env = {e["name"]: e for e in container["env"]}
+        ref = env["FLOTILLA_API_KEYS"]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == (secret["metadata"]["name"], "api-keys")
+    assert serve_config(objs).serving.api_keys_env == "FLOTILLA_API_KEYS"
 
 
 def test_helm_test_pod_sends_a_chat_completion() -> None:

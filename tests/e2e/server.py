@@ -79,6 +79,57 @@ def flotilla_serve(config: str = "examples/local-cpu.yaml", env: dict[str, str] 
                 process.wait()
 
 
+# vLLM's own server with the engine settings Flotilla gives its CPU groups (cluster/engine.py).
+VLLM_CPU_ENGINE_FLAGS = [
+    "--dtype",
+    "float32",
+    "--kv-cache-memory-bytes",
+    str(512 << 20),
+    "--enable-prefix-caching",
+    "--compilation-config",
+    '{"mode": 2, "backend": "eager"}',
+]
+
+
+@contextmanager
+def vllm_serve(model: Path, served_name: str, flags: list[str]) -> Iterator[str]:
+    """vLLM's OpenAI server (its default executor) on a free port; yields its URL once it answers."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+        *VLLM_CPU_ENGINE_FLAGS, *flags,
+    ]  # fmt: skip
+    env = os.environ | {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(process.stdout or ()), daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if not wait_until(lambda: process.poll() is not None or _answers(f"{url}/health"), STARTUP_TIMEOUT_S, 1):
+            raise RuntimeError("vLLM's server did not start:\n" + "".join(lines[-60:]))
+        if process.poll() is not None:
+            raise RuntimeError("vLLM's server exited:\n" + "".join(lines[-60:]))
+        yield url
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(SHUTDOWN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -20,7 +20,6 @@ from ray.util.state import list_actors
 from cluster.config import LocalClusterConfig
 from cluster.engine import EngineSpec
 from cluster.group import ReplicaGroup
-from cluster.group_api import GenerateRequest, SamplingSpec
 from cluster.local_ray import LocalCluster, LocalClusterShape
 from cluster.model_spec import ModelSpec
 from cluster.planner import kv_capacity_tokens
@@ -28,6 +27,7 @@ from router.block_keys import block_keys
 from router.group_channel import GroupChannel
 from router.kv_events import KvEventFeed
 from router.prefix_index import PrefixIndex
+from router.settings import IngressSettings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 PROMPTS = [
@@ -67,6 +67,24 @@ def local_cluster(nodes: int, slots_per_node: int) -> Iterator[LocalCluster]:
         cluster.shutdown()
 
 
+def engine_requests(spec: EngineSpec, max_model_len: int, block_size: int) -> list:
+    """PROMPTS as the ingress sends them: vLLM ``EngineCoreRequest``s, greedy, made by vLLM's input processor."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from router.frontend import frontend_config
+
+    settings = IngressSettings(engine=spec, max_model_len=max_model_len, block_size=block_size)
+    processor = InputProcessor(frontend_config(settings))
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
+    return [
+        processor.process_inputs(f"p{i}", {"type": "token", "prompt_token_ids": prompt}, params, ("generate",))
+        for i, prompt in enumerate(PROMPTS)
+    ]
+
+
 def run_layout(model: Path, tp: int, pp: int) -> LayoutRun:
     spec = EngineSpec(
         model=str(model),
@@ -96,10 +114,9 @@ def run_layout(model: Path, tp: int, pp: int) -> LayoutRun:
         feed.start()
         channel = GroupChannel(group.leader, host="127.0.0.1")
         outputs = []
-        for i, prompt in enumerate(PROMPTS):
-            sampling = SamplingSpec(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-            request = GenerateRequest(f"{group.name}-{i}", prompt, sampling, stream=False)
-            outputs.append([t async for chunk in channel.generate(request) for t in chunk.token_ids])
+        for i, request in enumerate(engine_requests(spec, group.info.max_model_len, group.info.block_size)):
+            final = [output async for output in channel.stream(request, f"{group.name}-{i}")][-1]
+            outputs.append(final.generated_token_ids())
         try:
             await asyncio.wait_for(all_stored.wait(), 30)
         except TimeoutError:

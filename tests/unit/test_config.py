@@ -98,3 +98,28 @@ def test_planning_needs_hardware_facts_for_an_existing_cluster(tmp_path, tiny_ll
     fields = "tensor_parallel_size: null\ncluster: {address: auto}"
     with pytest.raises(ConfigError, match="plan.nodes"):
         validate(ServeConfig.from_yaml(write(tmp_path, f"model: {tiny_llama}\n{fields}\n")))
+
+
+@pytest.mark.parametrize(
+    ("serving", "message"),
+    [
+        ("{enable_auto_tool_choice: true}", "requires --tool-call-parser"),
+        ("{tool_call_parser: no_such_parser}", "no_such_parser"),
+        ("{reasoning_parser: no_such_parser}", "no_such_parser"),
+        ("{tool_call_parser: mistral}", "mistral"),  # needs [TOOL_CALLS], which tiny-llama does not have
+        ("{extra_args: {sse_keep_alive_intervall: 5}}", "sse_keep_alive_intervall"),
+        ("{extra_args: {api_key: secret}}", "api_key"),  # keys come from api_keys_env
+        ("{api_keys_env: FLOTILLA_TEST_UNSET_KEYS}", "holds no API key"),
+    ],
+)
+def test_serving_flags_are_checked_by_vllms_rules_before_start(tmp_path, tiny_llama, serving: str, message) -> None:
+    config = ServeConfig.from_yaml(write(tmp_path, f"model: {tiny_llama}\nserving: {serving}\n"))
+    with pytest.raises(ConfigError, match=message):
+        validate(config)
+
+
+def test_a_tool_parser_that_fits_the_tokenizer_is_accepted(tmp_path, tiny_llama) -> None:
+    serving = "{enable_auto_tool_choice: true, tool_call_parser: llama3_json, extra_args: {sse_keep_alive_interval: 5}}"
+    config = ServeConfig.from_yaml(write(tmp_path, f"model: {tiny_llama}\nserving: {serving}\n"))
+    validated, _, _ = validate(config)
+    assert validated.serving.tool_call_parser == "llama3_json"

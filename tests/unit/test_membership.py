@@ -300,7 +300,10 @@ def membership(version: int, **groups: tuple[GroupState, str]) -> Membership:
 
 def test_directory_routes_exactly_the_ready_groups() -> None:
     settings = IngressSettings(
-        model_name="m", model_path="/m", max_model_len=4096, block_size=BLOCK, routing=RoutingConfig(kv_events=False)
+        engine=EngineSpec(model="/m", served_model_name="m", tensor_parallel_size=1, pipeline_parallel_size=1),
+        max_model_len=4096,
+        block_size=BLOCK,
+        routing=RoutingConfig(kv_events=False),
     )
     ready = GroupState.READY
     directory = GroupDirectory(settings, None, membership(1, g=(ready, "e1"), h=(ready, "e1")), "127.0.0.1")

@@ -81,6 +81,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - name: HF_TOKEN
   valueFrom:
     secretKeyRef: {name: {{ include "flotilla.secretName" . }}, key: hf-token, optional: true}
+{{- with (.Values.config.serving | default dict).api_keys_env }}
+- name: {{ . }}
+  valueFrom:
+    secretKeyRef: {name: {{ include "flotilla.secretName" $ }}, key: api-keys}
+{{- end }}
 {{- end -}}
 
 {{- define "flotilla.acceleratorResources" -}}
@@ -149,12 +154,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{/* Probes of the container that serves HTTP. Port names are KubeRay's (serve, gcs-server, …). */}}
 {{- define "flotilla.httpProbes" -}}
 startupProbe:
-  httpGet: {path: /v1/models, port: serve}
+  httpGet: {path: /health, port: serve}
   periodSeconds: {{ .Values.probes.startup.periodSeconds }}
   failureThreshold: {{ .Values.probes.startup.failureThreshold }}
   timeoutSeconds: {{ .Values.probes.startup.timeoutSeconds }}
 livenessProbe:
-  httpGet: {path: /v1/models, port: serve}
+  httpGet: {path: /version, port: serve}
   periodSeconds: {{ .Values.probes.liveness.periodSeconds }}
   failureThreshold: {{ .Values.probes.liveness.failureThreshold }}
   timeoutSeconds: {{ .Values.probes.liveness.timeoutSeconds }}
