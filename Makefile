@@ -48,9 +48,14 @@ test-e2e: setup prometheus
 bench: setup
 	$(BIN)/python -m bench.serve_overhead
 
+# mypy and import-linter read the installed layout (flotilla.cluster = cluster/, …) from a tree of
+# symlinks: the editable install maps the folders with an import hook those tools do not run.
 lint: setup
-	$(BIN)/ruff check cluster router tests bench scripts
-	$(BIN)/mypy cluster router
+	$(BIN)/ruff check flotilla cluster router tests bench scripts devtools.py
+	$(BIN)/ruff format --check flotilla cluster router tests bench scripts devtools.py
+	$(BIN)/python -m scripts.lint_tree build/lint
+	$(BIN)/mypy build/lint/flotilla
+	cd build/lint && ../../$(BIN)/lint-imports ../../pyproject.toml
 
 clean:
 	rm -rf $(VENV) models .pytest_cache

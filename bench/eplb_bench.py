@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.eplb import deepseek
-from cluster.eplb.balance import balancedness, slots_needing_transfer
-from cluster.eplb.placement import plan_placement
+from flotilla.cluster.eplb import deepseek
+from flotilla.cluster.eplb.balance import balancedness, slots_needing_transfer
+from flotilla.cluster.eplb.expert_placement import plan_placement
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -276,7 +276,7 @@ def main() -> None:
     (RESULTS / "eplb_bench.md").write_text(markdown + "\n")
     print(markdown)
     if not args.no_docs:
-        from bench.serve_overhead import write_docs_section
+        from bench.common import write_docs_section
 
         write_docs_section("eplb_placement", markdown, "EPLB placement: Flotilla vs DeepSeek's algorithm")
 

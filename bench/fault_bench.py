@@ -28,9 +28,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -38,46 +37,22 @@ from typing import Any
 import httpx
 import psutil
 
-from bench.route_bench import ENGINE_ENV, RAY_APP, Process, serve_running_replicas, wait_ready, wait_replicas_running
-from bench.serve_overhead import RESULTS, write_docs_section
+from bench.common import (
+    ENGINE_ENV,
+    RAY_APP,
+    RESULTS,
+    Process,
+    serve_running_replicas,
+    wait_ready,
+    wait_replicas_running,
+    write_docs_section,
+)
+from devtools import REPO, Load, wait_for
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "models" / "tiny-llama"
 TOKEN = "fault-bench"
 SECTION = "fault_bench"
 RECOVERY_TIMEOUT_S = 600
-
-
-@dataclass
-class Load:
-    url: str
-    model: str = "tiny-llama"
-    concurrency: int = 4
-    outcomes: list[tuple[float, int]] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def start(self) -> None:
-        def run() -> None:
-            with httpx.Client(timeout=300) as client:
-                while not self.stop.is_set():
-                    body = {"model": self.model, "prompt": "The harbour at dawn", "max_tokens": 12}
-                    try:
-                        code = client.post(f"{self.url}/v1/completions", json=body).status_code
-                    except httpx.HTTPError:
-                        code = 0
-                    self.outcomes.append((time.time(), code))
-
-        self.threads = [threading.Thread(target=run, daemon=True) for _ in range(self.concurrency)]
-        for thread in self.threads:
-            thread.start()
-
-    def finish(self) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(300)
-
-    def failed_since(self, t0: float) -> int:
-        return sum(1 for at, code in self.outcomes if at >= t0 and code != 200)
 
 
 @dataclass
@@ -93,16 +68,6 @@ class FaultResult:
     note: str = ""
 
 
-def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    return None
-
-
 # --- Flotilla --------------------------------------------------------------------------------------------
 
 
@@ -115,12 +80,12 @@ class Flotilla:
         )
         self.process = Process(
             "fault-flotilla",
-            [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config)],
+            [sys.executable, "-m", "flotilla.cli", "serve", "--config", str(config)],
             {"FLOTILLA_ADMIN_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"},
             RESULTS,
         )
         wait_ready(self.url, self.process)
-        log = (RESULTS / "route_bench_fault-flotilla.log").read_text()
+        log = (RESULTS / "fault-flotilla.log").read_text()
         self.address = log.rsplit("local Ray cluster: ", 1)[1].split(" at ", 1)[1].split(" ", 1)[0]
 
     def groups(self) -> dict[str, Any]:
@@ -134,7 +99,7 @@ class Flotilla:
     def pids(self, name: str) -> tuple[int, int]:
         """(leader pid, rank-0 worker pid) from ``flotilla status``."""
         out = subprocess.run(
-            [sys.executable, "-m", "cluster.cli", "status", "--json", "--address", self.address],
+            [sys.executable, "-m", "flotilla.cli", "status", "--json", "--address", self.address],
             capture_output=True,
             text=True,
             check=True,
@@ -172,7 +137,7 @@ class Flotilla:
                 recovered,
                 None,
                 load.failed_since(t0),
-                _count_since(load, t0),
+                load.answered_since(t0),
                 "no group restarts; time = coordinator back",
             )
         event = wait_for(lambda: _new_event(self.groups(), known_events), 60, 0.05)
@@ -197,7 +162,7 @@ class Flotilla:
             final["back_in_routing_at"] - t0 if back and final and final["back_in_routing_at"] else None,
             engine_start,
             load.failed_since(t0),
-            _count_since(load, t0),
+            load.answered_since(t0),
             f"detected as {event['kind']}" if event else "not detected",
         )
 
@@ -207,20 +172,16 @@ class Flotilla:
 
 _KILL_COORDINATOR = """
 import sys, ray
-from cluster.ray_connect import connect
-from cluster.group_api import COORDINATOR_NAME, LEADER_NAMESPACE
-connect(sys.argv[1], LEADER_NAMESPACE)
-ray.kill(ray.get_actor(COORDINATOR_NAME, namespace=LEADER_NAMESPACE), no_restart=False)
+from flotilla.cluster.ray_connect import connect
+from flotilla.cluster.contract import COORDINATOR_NAME, DEFAULT_NAMESPACE
+connect(sys.argv[1], DEFAULT_NAMESPACE)
+ray.kill(ray.get_actor(COORDINATOR_NAME, namespace=DEFAULT_NAMESPACE), no_restart=False)
 """
 
 
 def _new_event(groups: dict[str, Any], known: int) -> dict[str, Any] | None:
     events = groups["events"]
     return dict(events[known]) if len(events) > known else None
-
-
-def _count_since(load: Load, t0: float) -> int:
-    return sum(1 for at, _ in load.outcomes if at >= t0)
 
 
 # --- Ray Serve LLM --------------------------------------------------------------------------------------
@@ -284,7 +245,7 @@ class RayServe:
             back,
             None,
             load.failed_since(t0),
-            _count_since(load, t0),
+            load.answered_since(t0),
             "detection = Serve stops listing the replica as RUNNING",
         )
 
@@ -316,7 +277,7 @@ def run_stack(stack: Any, name: str, faults: list[str]) -> list[FaultResult]:
             print(f"  {result}", flush=True)
             results.append(result)
     finally:
-        load.finish()
+        load.stop()
     return results
 
 

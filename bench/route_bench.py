@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -37,17 +36,24 @@ from typing import Any
 
 import httpx
 
+from bench.common import (
+    ENGINE_ENV,
+    RAY_APP,
+    RESULTS,
+    Process,
+    wait_ready,
+    wait_replicas_running,
+    write_docs_section,
+)
 from bench.loadgen import percentile
-from bench.serve_overhead import RESULTS, stop_gracefully, write_docs_section
 from bench.workloads import hot_prefix, multi_turn, no_sharing, shared_prefix
-from cluster.sim_cluster import Session
+from devtools import REPO, wait_for
+from flotilla.router.sim_cluster import Session
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "models" / "bench-llama"
 MODEL_NAME = "bench-llama"
 SECTION = "route_bench"
 ADMIN_TOKEN = "bench-admin"
-ENGINE_ENV = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 BASE_PORT = 18800
 
 
@@ -67,7 +73,7 @@ def word_vocab() -> tuple[list[int], Callable[[list[int]], str]]:
     """Token ids that are single whole words: their text re-encodes to exactly those ids."""
     from transformers import AutoTokenizer
 
-    from cluster.tiny_models import WORDS
+    from flotilla.cluster.tiny_models import WORDS
 
     tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
     ids = sorted({t[0] for w in WORDS if len(t := tokenizer.encode(" " + w, add_special_tokens=False)) == 1})
@@ -207,30 +213,6 @@ def summarize(
 # --- stacks --------------------------------------------------------------------------------------------
 
 
-class Process:
-    def __init__(self, name: str, command: list[str], env: dict[str, str], log_dir: Path) -> None:
-        self.name = name
-        self.log = (log_dir / f"route_bench_{name}.log").open("ab")
-        self.process = subprocess.Popen(command, cwd=REPO, env=os.environ | env, stdout=self.log, stderr=self.log)
-
-    def stop(self) -> None:
-        stop_gracefully(self.process)
-
-
-def wait_ready(url: str, process: Process, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.process.poll() is not None:
-            raise RuntimeError(f"{process.name} exited; see its log in {RESULTS}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{process.name} not ready after {timeout_s} s")
-
-
 def metric_sum(text: str, name: str, label: str | None = None) -> dict[str, float]:
     """Sum of a Prometheus counter's samples, per value of ``label`` (or under "" when None)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -254,7 +236,7 @@ class FlotillaStack:
         )
         self.process = Process(
             f"flotilla-{ingress_replicas}ingress",
-            [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config)],
+            [sys.executable, "-m", "flotilla.cli", "serve", "--config", str(config)],
             {"FLOTILLA_ADMIN_TOKEN": ADMIN_TOKEN, "PYTHONUNBUFFERED": "1"},
             RESULTS,
         )
@@ -355,70 +337,19 @@ class SglangRouter:
             str(port + 100),
         ]
         self.process = Process("sglang-router", command, {}, RESULTS)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # its /v1/models answers "unknown" for vLLM workers; probe a completion
-            try:
-                body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 1}
-                if httpx.post(f"{self.url}/v1/completions", json=body, timeout=30).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise TimeoutError("sglang-router did not become ready")
+        # Its /v1/models answers "unknown" for vLLM workers: probe a completion instead.
+        if not wait_for(self._completes, 120, 1):
+            raise TimeoutError("sglang-router did not become ready")
+
+    def _completes(self) -> bool:
+        try:
+            body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 1}
+            return httpx.post(f"{self.url}/v1/completions", json=body, timeout=30).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def stop(self) -> None:
         self.process.stop()
-
-
-RAY_APP = """
-import os, signal, sys, time
-from ray import serve
-from ray.serve.llm import LLMConfig, build_openai_app
-from ray.serve.llm.request_router import PrefixCacheAffinityRouter
-import ray
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # threads started below inherit it
-ray.init(num_cpus=16, include_dashboard=%(dashboard)s, dashboard_host="127.0.0.1", dashboard_port=%(dashboard_port)d)
-config = LLMConfig(
-    model_loading_config={"model_id": "%(name)s", "model_source": "%(model)s"},
-    accelerator_config={"kind": "cpu"},
-    placement_group_config={"bundles": [{"CPU": 1}]},
-    engine_kwargs={"dtype": "float32", "kv_cache_memory_bytes": %(kv)d, "enable_prefix_caching": True,
-                   "num_gpu_blocks_override": %(blocks)d, "max_model_len": %(max_model_len)d,
-                   "enable_prompt_tokens_details": True,
-                   "compilation_config": {"mode": 2, "backend": "eager"}},
-    deployment_config={"num_replicas": %(replicas)d%(router)s},
-)
-serve.start(http_options={"host": "127.0.0.1", "port": %(port)d})
-serve.run(build_openai_app({"llm_configs": [config]}), blocking=False)
-signal.sigwait({signal.SIGINT, signal.SIGTERM})
-serve.shutdown()
-ray.shutdown()
-"""
-
-
-def serve_running_replicas(dashboard: str) -> dict[str, int]:
-    """replica id → pid of the LLM deployment's RUNNING replicas, from Ray Serve's REST API."""
-    try:
-        apps = httpx.get(f"{dashboard}/api/serve/applications/", timeout=10).json()["applications"]
-    except (httpx.HTTPError, ValueError, KeyError):
-        return {}
-    return {
-        replica["replica_id"]: int(replica.get("pid") or 0)
-        for app in apps.values()
-        for name, deployment in app["deployments"].items()
-        if "LLM" in name
-        for replica in deployment["replicas"]
-        if replica["state"] == "RUNNING"
-    }
-
-
-def wait_replicas_running(dashboard: str, replicas: int, process: Process, timeout_s: float = 1200) -> None:
-    """/v1/models answers as soon as one replica runs; measure only once every replica does."""
-    deadline = time.monotonic() + timeout_s
-    while len(serve_running_replicas(dashboard)) < replicas:
-        if process.process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{process.name}: {replicas} replicas not running; see its log in {RESULTS}")
-        time.sleep(1)
 
 
 class RayServeLlm:
@@ -486,7 +417,7 @@ def main() -> None:
         "--resume", action="store_true", help="keep the arms already in bench/results/route_bench.json, run the rest"
     )
     args = parser.parse_args()
-    subprocess.run([sys.executable, "-m", "cluster.cli", "make-model", "bench-llama"], cwd=REPO, check=True)
+    subprocess.run([sys.executable, "-m", "flotilla.cli", "make-model", "bench-llama"], cwd=REPO, check=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     vocab, text = word_vocab()
     loads = workloads(args.workloads.split(","), vocab, args.seed)

@@ -19,14 +19,14 @@ import sys
 import time
 from datetime import date
 
+from bench.common import RESULTS, write_docs_section
 from bench.loadgen import percentile
-from bench.serve_overhead import RESULTS, write_docs_section
 from bench.workloads import shared_prefix
-from cluster.sim_cluster import SimCluster
-from cluster.sim_engine import SimEngineConfig
-from router.block_keys import block_keys
-from router.policies import make_policy
-from router.routing import Router
+from flotilla.router.block_keys import block_keys
+from flotilla.router.policies import make_policy
+from flotilla.router.routing import Router
+from flotilla.router.sim_cluster import SimCluster
+from flotilla.router.sim_engine import SimEngineConfig
 
 SECTION = "route_scale"
 
@@ -80,7 +80,7 @@ def main() -> None:
     command = "python -m bench.route_scale " + " ".join(sys.argv[1:])
     report = (
         f"Date: {date.today().isoformat()}. Command: `{command.strip()}`. Simulated engines "
-        f"(`cluster/sim_engine.py`), precise index (KV events), policy `{args.policy}`.\n\n"
+        f"(`router/sim_engine.py`), precise index (KV events), policy `{args.policy}`.\n\n"
         "| groups | indexed blocks | block size | decisions | p50 | p99 | max |\n|---|---|---|---|---|---|---|\n"
         f"| {args.groups} | {indexed:,} | {args.block_size} | {len(decisions):,} | "
         f"{summary['decision_p50_us']:.0f} µs | {summary['decision_p99_us']:.0f} µs | "

@@ -21,8 +21,6 @@ import asyncio
 import json
 import os
 import random
-import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,12 +32,11 @@ from pathlib import Path
 
 import httpx
 
+from bench.common import RESULTS, write_docs_section
 from bench.loadgen import run_load
-from cluster.tiny_models import WORDS
+from devtools import REPO, stop_gracefully, wait_serving
+from flotilla.cluster.tiny_models import WORDS
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results"
-DOCS = REPO / "docs" / "benchmarks.md"
 SECTION = "serve_overhead"
 MODEL_NAME = "bench-model"
 KV_CACHE_BYTES = 512 << 20
@@ -53,17 +50,6 @@ VLLM_ENGINE_FLAGS = [
     "--compilation-config",
     '{"mode": 2, "backend": "eager"}',
 ]
-
-
-def stop_gracefully(process: subprocess.Popen, timeout_s: float = 120) -> None:
-    """SIGINT (a server's Ctrl-C path, which tears down what it started), then SIGKILL after ``timeout_s``."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def make_prompts(model_dir: Path, count: int, prompt_tokens: int, seed: int) -> list[str]:
@@ -103,17 +89,8 @@ class Target:
         began = time.monotonic()
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(self.command(), cwd=REPO, env=self.env(), stdout=log, stderr=log)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited during startup; see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    return time.monotonic() - began
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not ready after {timeout_s} s; see {self.log_path}")
+        wait_serving(f"{self.url}/v1/models", self.process, timeout_s, f"{self.name} (log: {self.log_path})")
+        return time.monotonic() - began
 
     def stop(self) -> None:
         if self.process:
@@ -130,7 +107,7 @@ class FlotillaTarget(Target):
             f"cpu: {{kv_cache_memory_bytes: {KV_CACHE_BYTES}, threads_per_worker: {self.threads}}}\n"
             f"port: {self.port}\n"
         )
-        return [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config)]
+        return [sys.executable, "-m", "flotilla.cli", "serve", "--config", str(config)]
 
     def env(self) -> dict[str, str]:
         env = super().env()
@@ -305,17 +282,6 @@ def markdown(rows: list[dict], args: argparse.Namespace, command: str) -> str:
     return "\n".join(lines)
 
 
-def write_docs_section(section: str, body: str, title: str = "Serving overhead: Flotilla vs vLLM's own server") -> None:
-    start, end = f"<!-- {section}:start -->", f"<!-- {section}:end -->"
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    block = f"{start}\n{body}\n{end}"
-    if start in text:
-        text = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip("\n") + f"\n\n## {title}\n\n{block}\n"
-    DOCS.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=REPO / "models" / "tiny-llama")
@@ -356,7 +322,7 @@ def main() -> None:
     )
     (RESULTS / f"{SECTION}.md").write_text(report + "\n")
     if not args.no_docs:
-        write_docs_section(SECTION, report)
+        write_docs_section(SECTION, report, "Serving overhead: Flotilla vs vLLM's own server")
     print(report)
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from cluster.sim_cluster import Session, Turn
+from flotilla.router.sim_cluster import Session, Turn
 
 
 def _tokens(rng: random.Random, vocab: Sequence[int], n: int) -> list[int]:
@@ -81,7 +81,7 @@ def optimal_hit_rate(sessions: Sequence[Session], block_size: int) -> float:
     (vLLM recomputes at least a prompt's last token, so a fully cached prompt still misses its
     last block; the bound accounts for that.)
     """
-    from router.block_keys import block_keys
+    from flotilla.router.block_keys import block_keys
 
     seen: set[int] = set()
     prompt_tokens = hits = 0

@@ -26,12 +26,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.engine import EngineSpec
-from cluster.eplb.ep_group import EP_GROUP_NAME, EpGroup, EpGroupConfig, ep_group_actor_options
-from cluster.group import ReplicaGroup, StartStep
-from cluster.group_api import (
+from flotilla.cluster.contract import (
     COORDINATOR_NAME,
     DurationHistogram,
+    EnginePhase,
     EplbStatus,
     FailureKind,
     GroupEvent,
@@ -39,8 +37,11 @@ from cluster.group_api import (
     GroupState,
     Membership,
 )
-from cluster.lifecycle import RecoveryConfig, RestartBudget
-from cluster.placement import HEAD_NODE_RESOURCE
+from flotilla.cluster.engine import EngineSpec
+from flotilla.cluster.eplb.ep_group import EP_GROUP_NAME, EpGroup, EpGroupConfig, ep_group_actor_options
+from flotilla.cluster.group import ReplicaGroup
+from flotilla.cluster.lifecycle import RecoveryConfig, RestartBudget
+from flotilla.cluster.placement import HEAD_NODE_RESOURCE
 
 logger = logging.getLogger(__name__)
 MAX_EVENTS = 100
@@ -212,9 +213,6 @@ class Coordinator:
         await self._publish()
         return self._group_snapshot(record)
 
-    def ping(self) -> float:
-        return self.started_at
-
     # --- expert parallelism ----------------------------------------------------------------------------
     async def _drive_eplb(self, config: EpGroupConfig) -> None:
         """Create (or, after a coordinator restart, adopt) the EP group; tick its EPLB controller every
@@ -335,7 +333,7 @@ class Coordinator:
         state = GroupState.RESTARTING if restarting else GroupState.STARTING
 
         def progress(group: ReplicaGroup) -> None:
-            if group.step is not StartStep.FAILED:
+            if group.phase is not EnginePhase.FAILED:
                 self._set_state(record, state, group.describe_step())
                 asyncio.get_running_loop().create_task(self._publish())
 

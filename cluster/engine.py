@@ -46,7 +46,7 @@ def unknown_engine_args(engine_args: dict[str, Any]) -> list[str]:
 def running_on_flotilla_cpu() -> bool:
     from vllm.platforms import current_platform
 
-    from cluster.vllm_platform_cpu import CpuRayPlatform
+    from flotilla.cluster.vllm_platform_cpu import CpuRayPlatform
 
     return isinstance(current_platform, CpuRayPlatform)
 

@@ -13,7 +13,6 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 import ray
@@ -25,10 +24,10 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.engine import EngineSpec
-from cluster.group_api import LEADER_NAMESPACE, leader_actor_name
-from cluster.leader import EngineInfo, GroupLeader, LeaderDescription, LeaderPhase
-from cluster.placement import (
+from flotilla.cluster.contract import DEFAULT_NAMESPACE, EngineInfo, EnginePhase, LeaderDescription, leader_actor_name
+from flotilla.cluster.engine import EngineSpec
+from flotilla.cluster.leader import GroupLeader
+from flotilla.cluster.placement import (
     LEADER_BUNDLE_INDEX,
     RankAssignment,
     assign_ranks,
@@ -37,14 +36,6 @@ from cluster.placement import (
 )
 
 LEADER_SHUTDOWN_TIMEOUT_S = 10.0
-
-
-class StartStep(StrEnum):
-    PLACING = "placing"
-    STARTING_ENGINE = "starting_engine"
-    READY = "ready"
-    FAILED = "failed"
-    STOPPED = "stopped"
 
 
 ADOPT_TIMEOUT_S = 5.0
@@ -60,9 +51,9 @@ class ReplicaGroup:
     name: str
     spec: EngineSpec
     leader_cpus: float = 1.0
-    namespace: str = LEADER_NAMESPACE
+    namespace: str = DEFAULT_NAMESPACE
     generation: int = 0
-    step: StartStep = StartStep.PLACING
+    phase: EnginePhase = EnginePhase.PLACING
     ranks: list[RankAssignment] = field(default_factory=list)
     info: EngineInfo | None = None
     instance_id: str | None = None
@@ -79,15 +70,15 @@ class ReplicaGroup:
         except Exception as err:
             if self.error is None:
                 what = f"not ready after {timeout_s:.0f} s" if isinstance(err, TimeoutError) else str(err)
-                self.error = f"{self.step.value}: {what}"
-            self.step = StartStep.FAILED
+                self.error = f"{self.phase.value}: {what}"
+            self.phase = EnginePhase.FAILED
             notify(self)
             raise
 
     async def _start(self, notify: Callable[[ReplicaGroup], None]) -> None:
         tp, pp = self.spec.tensor_parallel_size, self.spec.pipeline_parallel_size
         plan = plan_bundles(tp, pp, self.leader_cpus)
-        self.step = StartStep.PLACING
+        self.phase = EnginePhase.PLACING
         notify(self)
         began = time.monotonic()
         self.placement_group = placement_group(
@@ -98,7 +89,7 @@ class ReplicaGroup:
         self.ranks = assign_ranks([bundle_nodes[i] for i in range(len(plan.bundles))], tp, pp)
         self.step_durations_s["placement"] = time.monotonic() - began
 
-        self.step = StartStep.STARTING_ENGINE
+        self.phase = EnginePhase.STARTING_ENGINE
         notify(self)
         began = time.monotonic()
         self.leader = (
@@ -118,7 +109,7 @@ class ReplicaGroup:
         self.info = await self.leader.start.remote()
         self.instance_id = self.info.vllm_instance_id
         self.step_durations_s["engine"] = time.monotonic() - began
-        self.step = StartStep.READY
+        self.phase = EnginePhase.READY
         notify(self)
 
     async def adopt(self) -> bool:
@@ -129,11 +120,11 @@ class ReplicaGroup:
         except Exception:
             return False
         self.generation = description.generation  # kept even when not adopted: the next start is newer
-        if description.phase is not LeaderPhase.READY or description.info is None:
+        if description.phase is not EnginePhase.READY or description.info is None:
             return False
         self.leader, self.info, self.instance_id = leader, description.info, description.vllm_instance_id
         self.placement_group = get_placement_group(placement_group_name(self.name))
-        self.step = StartStep.READY
+        self.phase = EnginePhase.READY
         return True
 
     async def teardown(self, graceful: bool = True) -> None:
@@ -164,23 +155,23 @@ class ReplicaGroup:
         if pg is not None:
             remove_placement_group(pg)  # kills every actor still in it: the worker ranks
         self.leader, self.placement_group = None, None
-        self.step = StartStep.STOPPED
+        self.phase = EnginePhase.STOPPED
 
     def stop(self) -> None:
         """Blocking teardown, for callers outside an event loop."""
         asyncio.run(self.teardown())
 
     def describe_step(self) -> str:
-        if self.step is StartStep.PLACING:
+        if self.phase is EnginePhase.PLACING:
             return "placement: reserving bundles …"
-        if self.step is StartStep.STARTING_ENGINE:
+        if self.phase is EnginePhase.STARTING_ENGINE:
             stages = sorted({(a.pp_rank, a.node_id[:8]) for a in self.ranks})
             where = ", ".join(f"PP{pp}→node {node}" for pp, node in stages)
             return f"placed ({where}) in {self.step_durations_s['placement']:.1f} s; loading weights, KV cache …"
-        if self.step is StartStep.READY and self.info is not None:
+        if self.phase is EnginePhase.READY and self.info is not None:
             return (
                 f"ready in {sum(self.step_durations_s.values()):.1f} s "
                 f"({self.info.num_kv_blocks} KV blocks × {self.info.block_size} tokens, "
                 f"max_model_len {self.info.max_model_len})"
             )
-        return f"{self.step.value}: {self.error or ''}"
+        return f"{self.phase.value}: {self.error or ''}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.model_spec import ModelSpec
+from flotilla.cluster.model_spec import ModelSpec
 
 
 @dataclass(frozen=True, slots=True)

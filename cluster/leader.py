@@ -11,11 +11,19 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
-from cluster.engine import (
+from flotilla.cluster.contract import (
+    EngineErrorKind,
+    EngineInfo,
+    EnginePhase,
+    GroupEngineError,
+    LeaderDescription,
+    LeaderHealth,
+    LoadReport,
+    to_wire,
+)
+from flotilla.cluster.engine import (
     EngineSpec,
     apply_process_env,
     engine_kwargs,
@@ -23,68 +31,10 @@ from cluster.engine import (
     running_on_flotilla_cpu,
     worker_env,
 )
-from cluster.group_api import EngineErrorKind, GroupEngineError, to_wire
-from cluster.output_channel import OutputChannel
-from cluster.ports import free_ports
+from flotilla.cluster.output_channel import OutputChannel
+from flotilla.cluster.ports import free_ports
 
 logger = logging.getLogger(__name__)
-
-
-class LeaderPhase(StrEnum):
-    CREATED = "created"
-    STARTING_ENGINE = "starting_engine"  # workers, weights, KV cache
-    READY = "ready"
-    FAILED = "failed"
-    STOPPED = "stopped"
-
-
-@dataclass(frozen=True, slots=True)
-class EngineInfo:
-    """What the ingress and status need to know about a ready engine."""
-
-    max_model_len: int
-    block_size: int
-    num_kv_blocks: int
-    vllm_instance_id: str
-    startup_s: float
-    kv_events_endpoint: str | None = None
-    kv_events_replay_endpoint: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class LoadReport:
-    """The engine's scheduler state after its latest step (vLLM's own scheduler stats)."""
-
-    running: int
-    waiting: int
-    kv_usage: float
-    vllm_instance_id: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class LeaderHealth:
-    """What the coordinator's periodic check learns from a leader."""
-
-    engine_alive: bool
-    error: str | None
-    unfinished_requests: int
-    seconds_since_progress: float
-    """Since the engine last produced output, or since it got work while idle."""
-
-
-@dataclass(frozen=True, slots=True)
-class LeaderDescription:
-    group_name: str
-    phase: LeaderPhase
-    error: str | None
-    tensor_parallel_size: int
-    pipeline_parallel_size: int
-    rank_bundles: list[int]
-    """Bundle index of rank 0, 1, …"""
-    vllm_instance_id: str | None
-    info: EngineInfo | None
-    generation: int = 0
-    """Which (re)start of the group this leader is; survives a coordinator restart."""
 
 
 class GroupLeader:
@@ -96,7 +46,7 @@ class GroupLeader:
         self.spec = spec
         self.placement_group = placement_group
         self.bundle_indices = bundle_indices
-        self.phase = LeaderPhase.CREATED
+        self.phase = EnginePhase.STARTING_ENGINE
         self.error: str | None = None
         self.engine: Any = None
         self.info: EngineInfo | None = None
@@ -118,15 +68,15 @@ class GroupLeader:
         )
 
     async def start(self) -> EngineInfo:
-        self.phase = LeaderPhase.STARTING_ENGINE
+        self.phase = EnginePhase.STARTING_ENGINE
         try:
             # AsyncLLM's constructor blocks until every worker is up; a thread keeps this
             # actor answering describe() meanwhile.
             self.info = await asyncio.to_thread(self._build_engine)
         except Exception as err:
-            self.phase, self.error = LeaderPhase.FAILED, f"{type(err).__name__}: {err}"
+            self.phase, self.error = EnginePhase.FAILED, f"{type(err).__name__}: {err}"
             raise
-        self.phase = LeaderPhase.READY
+        self.phase = EnginePhase.READY
         return self.info
 
     def _build_engine(self) -> EngineInfo:
@@ -176,7 +126,7 @@ class GroupLeader:
     async def submit(self, channel_id: str, address: str, key: str, request: Any) -> None:
         """Start ``request`` (a ``vllm.v1.engine.EngineCoreRequest``, rendered and validated by the
         ingress); its outputs are pushed, tagged with ``key``, to the ingress channel at ``address``."""
-        if self.phase is not LeaderPhase.READY:
+        if self.phase is not EnginePhase.READY:
             raise GroupEngineError(EngineErrorKind.ENGINE_DEAD, f"group {self.group_name} is {self.phase.value}")
         if self.num_unfinished_requests() == 0:
             self._scheduler_stats.progressed()  # an idle engine has made no progress for good reason
@@ -220,7 +170,7 @@ class GroupLeader:
             if not finished:
                 raise GroupEngineError(EngineErrorKind.INTERNAL, "the engine ended the request without finishing it")
         except EngineDeadError as err:
-            self.phase, self.error = LeaderPhase.FAILED, str(err)
+            self.phase, self.error = EnginePhase.FAILED, str(err)
             channel.fail(key, EngineErrorKind.ENGINE_DEAD, str(err))
         except (VLLMClientError, ValueError) as err:
             channel.fail(key, EngineErrorKind.BAD_REQUEST, str(err))
@@ -243,7 +193,7 @@ class GroupLeader:
     async def health(self) -> LeaderHealth:
         """Engine liveness (vLLM marks it dead when a worker dies) and progress (a frozen rank stalls it)."""
         error = None
-        if self.engine is None or self.phase is not LeaderPhase.READY:
+        if self.engine is None or self.phase is not EnginePhase.READY:
             error = self.error or f"group {self.group_name} is {self.phase.value}"
         else:
             try:
@@ -263,7 +213,7 @@ class GroupLeader:
             running=stats.num_running_reqs if stats else 0,
             waiting=stats.num_waiting_reqs if stats else 0,
             kv_usage=stats.kv_cache_usage if stats else 0.0,
-            vllm_instance_id=self.vllm_instance_id if self.phase is LeaderPhase.READY else None,
+            vllm_instance_id=self.vllm_instance_id if self.phase is EnginePhase.READY else None,
         )
 
     async def reset_prefix_cache(self) -> bool:
@@ -285,7 +235,7 @@ class GroupLeader:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
-        self.phase = LeaderPhase.STOPPED
+        self.phase = EnginePhase.STOPPED
 
 
 class SchedulerStatsRecorder:

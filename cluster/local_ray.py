@@ -16,8 +16,8 @@ from typing import Any
 
 import ray
 
-from cluster.config import LocalClusterConfig
-from cluster.ports import free_port
+from flotilla.cluster.config import LocalClusterConfig
+from flotilla.cluster.ports import free_port
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ import logging
 import zmq
 import zmq.asyncio
 
-from cluster.group_api import EngineErrorKind, GroupEngineError, WireOutput, encode_outputs
+from flotilla.cluster.contract import EngineErrorKind, GroupEngineError, WireOutput, encode_outputs
 
 logger = logging.getLogger(__name__)
 SEND_HIGH_WATER_MARK = 100_000  # batches queued for a slow ingress before we give up on it

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from cluster.planner import KIB, Plan
-from cluster.text_table import format_table
+from flotilla.cluster.planner import KIB, Plan
+from flotilla.cluster.text_table import format_table
 
 TOP_WITH_REASONS = 3
 

@@ -25,8 +25,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
-from cluster.layout import LayoutViolation, check_layout
-from cluster.model_spec import ModelSpec, stage_layers
+from flotilla.cluster.layout import LayoutViolation, check_layout
+from flotilla.cluster.model_spec import ModelSpec, stage_layers
 
 GIB = 1 << 30
 KIB = 1 << 10

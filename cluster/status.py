@@ -12,9 +12,8 @@ from typing import Any, cast
 
 import ray
 
-from cluster.group_api import COORDINATOR_NAME, EplbStatus, Membership, leader_actor_name
-from cluster.leader import LeaderDescription
-from cluster.text_table import format_table
+from flotilla.cluster.contract import COORDINATOR_NAME, EplbStatus, LeaderDescription, Membership, leader_actor_name
+from flotilla.cluster.text_table import format_table
 
 LEADER_PREFIX = leader_actor_name("")
 DESCRIBE_TIMEOUT_S = 5.0

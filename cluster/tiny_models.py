@@ -83,7 +83,10 @@ class TinyModelSpec:
         return self.num_local_experts > 0
 
     def fingerprint(self) -> str:
-        payload = json.dumps({"spec": asdict(self), "format": 1, "chat_template": CHAT_TEMPLATE, "special_tokens": SPECIAL_TOKENS}, sort_keys=True)
+        payload = json.dumps(
+            {"spec": asdict(self), "format": 1, "chat_template": CHAT_TEMPLATE, "special_tokens": SPECIAL_TOKENS},
+            sort_keys=True,
+        )
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 

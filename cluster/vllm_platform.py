@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 PLUGIN_SWITCH_ENV = "FLOTILLA_CPU_RAY_PLUGIN"
-PLATFORM_QUALNAME = "cluster.vllm_platform_cpu.CpuRayPlatform"
+PLATFORM_QUALNAME = "flotilla.cluster.vllm_platform_cpu.CpuRayPlatform"
 _ACCELERATOR_PLUGINS = ("tpu", "cuda", "rocm", "xpu")
 
 

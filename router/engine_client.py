@@ -36,10 +36,10 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.tasks import SupportedTask
 from vllm.v1.engine.input_processor import InputProcessor
 
-from cluster.group_api import EngineErrorKind, GroupEngineError, from_wire
-from router.group_directory import GroupDirectory, Member
-from router.metrics import IngressMetrics
-from router.routing import Decision, NoRoutableGroup
+from flotilla.cluster.contract import EngineErrorKind, GroupEngineError, from_wire
+from flotilla.router.group_directory import GroupDirectory, Member
+from flotilla.router.metrics import IngressMetrics
+from flotilla.router.routing import Decision, NoRoutableGroup
 
 logger = logging.getLogger(__name__)
 SUPPORTED_TASKS: tuple[SupportedTask, ...] = ("generate",)

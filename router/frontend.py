@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from router.settings import IngressSettings, ServingConfig
+from flotilla.router.settings import IngressSettings, ServingConfig
 
 # FrontendArgs that Flotilla sets itself (the listener, and API keys through api_keys_env).
 RESERVED_FRONTEND_ARGS = frozenset({"host", "port", "api_key", "uds", "root_path"})
@@ -93,7 +93,7 @@ def frontend_config(settings: IngressSettings) -> Any:  # -> vllm.config.VllmCon
     from vllm.config import VllmConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from cluster.engine import engine_kwargs, running_on_flotilla_cpu
+    from flotilla.cluster.engine import engine_kwargs, running_on_flotilla_cpu
 
     kwargs = engine_kwargs(settings.engine, running_on_flotilla_cpu()) | {"max_model_len": settings.max_model_len}
     engine_args = AsyncEngineArgs(**kwargs)
@@ -110,7 +110,7 @@ async def build_openai_app(args: Namespace, engine_client: Any) -> FastAPI:
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
 
-    from router.engine_client import SUPPORTED_TASKS
+    from flotilla.router.engine_client import SUPPORTED_TASKS
 
     app = build_app(args, SUPPORTED_TASKS, engine_client.model_config)
     app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in REPLACED_ROUTES]

@@ -19,7 +19,7 @@ import ray
 import zmq
 import zmq.asyncio
 
-from cluster.group_api import EngineErrorKind, GroupEngineError, WireOutput, decode_outputs
+from flotilla.cluster.contract import EngineErrorKind, GroupEngineError, WireOutput, decode_outputs
 
 logger = logging.getLogger(__name__)
 

@@ -21,13 +21,13 @@ from typing import Any, cast
 
 import ray
 
-from cluster.group_api import COORDINATOR_NAME, GroupSnapshot, GroupState, Membership
-from router.group_channel import GroupChannel
-from router.kv_events import KvEventFeed
-from router.policies import make_policy
-from router.prefix_index import PrefixIndex
-from router.routing import Decision, EngineLoad, Router
-from router.settings import IngressSettings
+from flotilla.cluster.contract import COORDINATOR_NAME, EngineInfo, GroupSnapshot, GroupState, Membership
+from flotilla.router.group_channel import GroupChannel
+from flotilla.router.kv_events import KvEventFeed
+from flotilla.router.policies import make_policy
+from flotilla.router.prefix_index import PrefixIndex
+from flotilla.router.routing import Decision, EngineLoad, Router
+from flotilla.router.settings import IngressSettings
 
 logger = logging.getLogger(__name__)
 COORDINATOR_RETRY_S = 0.5
@@ -36,9 +36,9 @@ COORDINATOR_RETRY_S = 0.5
 @dataclass(slots=True)
 class Member:
     name: str
-    leader: Any  # ActorHandle of cluster.leader.GroupLeader
+    leader: Any  # ActorHandle of flotilla.cluster.leader.GroupLeader
     channel: GroupChannel
-    info: Any  # cluster.leader.EngineInfo
+    info: EngineInfo
     instance_id: str | None
     routable: bool = True
     feed: KvEventFeed | None = None

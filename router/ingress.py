@@ -25,13 +25,13 @@ from ray.exceptions import RayTaskError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cluster.group_api import GroupSnapshot, Membership
-from router.engine_client import REQUEST_CONTEXT, RequestContext, RoutedEngineClient
-from router.engine_metrics import merge_group_metrics
-from router.frontend import build_openai_app, frontend_config, serving_args
-from router.group_directory import GroupDirectory
-from router.metrics import IngressMetrics
-from router.settings import IngressSettings
+from flotilla.cluster.contract import GroupSnapshot, Membership
+from flotilla.router.engine_client import REQUEST_CONTEXT, RequestContext, RoutedEngineClient
+from flotilla.router.engine_metrics import merge_group_metrics
+from flotilla.router.frontend import build_openai_app, frontend_config, serving_args
+from flotilla.router.group_directory import GroupDirectory
+from flotilla.router.metrics import IngressMetrics
+from flotilla.router.settings import IngressSettings
 
 NO_GROUP_RETRY_AFTER_S = 5
 ENGINE_METRICS_TIMEOUT_S = 2.0
@@ -172,9 +172,7 @@ class OpenAIIngress:
         if self.settings.api_keys:
             app.add_middleware(ApiKeyMiddleware, keys=self.settings.api_keys)
         endpoints = frozenset(
-            path
-            for route in openai_app.router.routes
-            if (path := getattr(route, "path", "")).startswith(API_PREFIXES)
+            path for route in openai_app.router.routes if (path := getattr(route, "path", "")).startswith(API_PREFIXES)
         )
         app.add_middleware(IngressMiddleware, stats=self.stats, endpoints=endpoints)  # outermost: sees every answer
         return app
@@ -263,4 +261,3 @@ class OpenAIIngress:
             return_exceptions=True,
         )
         return {name: r.decode() for name, r in zip(names, results, strict=True) if isinstance(r, bytes)}
-

@@ -18,7 +18,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from router.prefix_index import STORED, PrefixIndex
+from flotilla.router.prefix_index import STORED, PrefixIndex
 
 logger = logging.getLogger(__name__)
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)

@@ -5,20 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cluster.group_api import (
-    DURATION_BUCKETS_S,
-    DurationHistogram,
-    EngineErrorKind,
-    EplbStatus,
-    FailureKind,
-    GroupState,
-    Membership,
-)
-from router.policies import GroupView
-from router.routing import Decision
+from flotilla.cluster.contract import EngineErrorKind, FailureKind, GroupState, Membership
+from flotilla.cluster.metrics import duration_histogram, eplb_metrics
+from flotilla.router.policies import GroupView
+from flotilla.router.routing import Decision
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 DECISION_BUCKETS_S = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3)
@@ -158,12 +151,12 @@ class MembershipCollector(Collector):
                 restarts.add_metric([group.name, kind.value], group.restarts.get(kind.value, 0))
         yield state
         yield restarts
-        yield _histogram(
+        yield duration_histogram(
             "flotilla_group_detection_seconds",
             "From a group's last good health check to its detected failure.",
             membership.detection,
         )
-        yield _histogram(
+        yield duration_histogram(
             "flotilla_group_recovery_seconds",
             "How long a failed group stayed out of routing before it was ready again.",
             membership.recovery,
@@ -173,55 +166,3 @@ class MembershipCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
-
-
-class EplbCollector(Collector):
-    """Only the EPLB metrics, for a process that runs an EP group without serving (``flotilla eplb-demo``)."""
-
-    def __init__(self, eplb: Callable[[], EplbStatus | None]) -> None:
-        self.eplb = eplb
-
-    def collect(self) -> Iterator[Metric]:
-        status = self.eplb()
-        if status is not None:
-            yield from eplb_metrics(status)
-
-    def describe(self) -> Iterator[Metric]:
-        return iter(())
-
-
-def eplb_metrics(eplb: EplbStatus) -> Iterator[Metric]:
-    """The expert-parallel group's balance and rebalances (its EPLB controller's view)."""
-    per_layer = GaugeMetricFamily(
-        "flotilla_eplb_balancedness", "Mean/max per-rank expert load over the window, per layer", labels=["layer"]
-    )
-    for layer, value in enumerate(eplb.balancedness_per_layer):
-        per_layer.add_metric([str(layer)], value)
-    yield per_layer
-    if eplb.balancedness is not None:
-        yield GaugeMetricFamily(
-            "flotilla_eplb_balancedness_overall",
-            "Sum of mean over sum of max per-rank load, all layers",
-            value=eplb.balancedness,
-        )
-    yield GaugeMetricFamily(
-        "flotilla_eplb_migrating", "1 while a rebalance moves expert weights", value=float(eplb.state == "migrating")
-    )
-    yield CounterMetricFamily("flotilla_eplb_rebalances", "Completed EPLB rebalances", value=eplb.rebalances)
-    yield CounterMetricFamily(
-        "flotilla_eplb_experts_moved",
-        "Expert replicas whose weights moved between ranks",
-        value=eplb.experts_moved_total,
-    )
-    yield CounterMetricFamily(
-        "flotilla_eplb_bytes_moved", "Expert weight bytes moved between ranks", value=eplb.bytes_moved_total
-    )
-    yield _histogram(
-        "flotilla_eplb_rebalance_duration_seconds", "Rebalance, plan to last layer swapped", eplb.rebalance_duration
-    )
-
-
-def _histogram(name: str, documentation: str, histogram: DurationHistogram) -> HistogramMetricFamily:
-    buckets = [(str(bound), float(count)) for bound, count in zip(DURATION_BUCKETS_S, histogram.counts, strict=True)]
-    buckets.append(("+Inf", float(histogram.count)))
-    return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=histogram.total)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from router.block_keys import BlockKeyer
-from router.policies import Candidates, GroupView, RoutingPolicy, RoutingRequest
-from router.prefix_index import PrefixIndex
+from flotilla.router.block_keys import BlockKeyer
+from flotilla.router.policies import Candidates, GroupView, RoutingPolicy, RoutingRequest
+from flotilla.router.prefix_index import PrefixIndex
 
 INITIAL_ROWS = 16
 
@@ -102,10 +102,6 @@ class Router:
             self._live[row] = False
             self._live_rows = np.flatnonzero(self._live)
         self.index.remove_group(name)
-
-    def reset_group(self, name: str) -> None:
-        """The group's engine restarted: whatever it cached is gone."""
-        self.index.clear(name)
 
     def update_engine_load(self, name: str, load: EngineLoad) -> None:
         row = self._rows.get(name)

@@ -6,9 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.engine import EngineSpec
-from cluster.group_api import LEADER_NAMESPACE
-from router.policies import DEFAULT_POLICY, make_policy
+from flotilla.cluster.contract import DEFAULT_NAMESPACE
+from flotilla.cluster.engine import EngineSpec
+from flotilla.router.policies import DEFAULT_POLICY, make_policy
 
 
 class ServingConfig(BaseModel):
@@ -105,6 +105,42 @@ class FailoverConfig(BaseModel):
     )
 
 
+class IngressConfig(BaseModel):
+    """How HTTP reaches the ingress replicas."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    proxy: Literal["haproxy", "serve"] = Field(
+        "haproxy",
+        description=(
+            "haproxy: Ray Serve's direct ingress, HAProxy forwards HTTP straight to the ingress replicas' own "
+            "servers (no Python proxy hop; the short path). serve: Ray Serve's Python HTTP proxy actor."
+        ),
+    )
+    drain_period_s: float = Field(
+        2.0, ge=0, description="How long a stopping ingress replica keeps accepting (haproxy mode)."
+    )
+    replicas: int = Field(1, ge=1, description="Ingress replicas.")
+    placement: Literal["head", "any"] = Field(
+        "head",
+        description=(
+            "head: ingress replicas (and Serve's HTTP proxy) run on the Ray head node, so losing an accelerator "
+            "node never takes an in-flight request's ingress with it and failover can retry it. any: Ray places "
+            "them (spread over nodes, for ingress throughput beyond one node's CPUs)."
+        ),
+    )
+
+    def ray_env(self) -> dict[str, str]:
+        """Environment the Serve controller and replicas need (set before Ray starts)."""
+        if self.proxy == "serve":
+            return {}
+        return {
+            "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            "RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(self.drain_period_s),
+        }
+
+
 class IngressSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -113,7 +149,7 @@ class IngressSettings(BaseModel):
     block_size: int = Field(..., description="KV block size of every group's engine (the router hashes by it).")
     routing: RoutingConfig = RoutingConfig()
     failover: FailoverConfig = FailoverConfig()
-    namespace: str = Field(LEADER_NAMESPACE, description="Ray namespace of the coordinator and the group leaders.")
+    namespace: str = Field(DEFAULT_NAMESPACE, description="Ray namespace of the coordinator and the group leaders.")
     admin_token: str | None = Field(None, description="Bearer token for /admin/*; None disables those endpoints.")
     serving: ServingConfig = ServingConfig()
     api_keys: tuple[str, ...] = Field((), description="Bearer keys /v1/* requires; empty: open.")

@@ -2,7 +2,7 @@
 
 Helm checks values against this schema on install, upgrade, lint and template, so a typo or a
 bad value fails before anything reaches the cluster. ``config`` is Flotilla's own serve config
-(cluster/config.py) minus the keys the chart sets itself; TP and PP must be numbers there
+(flotilla/config.py) minus the keys the chart sets itself; TP and PP must be numbers there
 because the chart sizes pods from them.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from cluster.config import ServeConfig
-from router.policies import POLICIES
+from flotilla.config import ServeConfig
+from flotilla.router.policies import POLICIES
 
 CHART_OWNED_CONFIG_KEYS = ("model", "host", "cluster")
 
@@ -64,7 +64,7 @@ def serve_config_schema() -> tuple[dict[str, Any], dict[str, Any]]:
         prop.pop("anyOf", None)
         prop.update(type="integer", minimum=1)
     schema["description"] = (
-        "Flotilla's serve config (ServeConfig, cluster/config.py); the chart sets model, host and cluster."
+        "Flotilla's serve config (ServeConfig, flotilla/config.py); the chart sets model, host and cluster."
     )
     routing = defs["RoutingConfig"]["properties"]["policy"]
     routing["enum"] = sorted(POLICIES)

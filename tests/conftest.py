@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.tiny_models import TINY_MODELS, make_model
+from flotilla.cluster.tiny_models import TINY_MODELS, make_model
 
 REPO = Path(__file__).resolve().parent.parent
 

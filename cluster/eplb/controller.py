@@ -26,10 +26,10 @@ from typing import Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cluster.eplb.balance import balancedness_of_rank_loads, rank_loads
-from cluster.eplb.placement import plan_placement
-from cluster.eplb.transfers import LayerMigration
-from cluster.group_api import DurationHistogram, EplbStatus, RebalanceSummary
+from flotilla.cluster.contract import DurationHistogram, EplbStatus, RebalanceSummary
+from flotilla.cluster.eplb.balance import balancedness_of_rank_loads, rank_loads
+from flotilla.cluster.eplb.expert_placement import plan_placement
+from flotilla.cluster.eplb.transfers import LayerMigration
 
 
 class EpRuntime(Protocol):

@@ -10,10 +10,10 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from cluster.eplb.controller import EplbControllerConfig
-from cluster.eplb.ep_group import EpGroupConfig
-from cluster.eplb.moe import MoeCheckpoint
-from cluster.group_api import EplbStatus, Membership
+from flotilla.cluster.contract import EplbStatus, Membership
+from flotilla.cluster.eplb.controller import EplbControllerConfig
+from flotilla.cluster.eplb.ep_group import EpGroupConfig
+from flotilla.cluster.eplb.moe import MoeCheckpoint
 
 DEMO_CONFIG = EplbControllerConfig(
     window_ticks=8, min_window_ticks=4, trigger_balancedness=0.8, rearm_balancedness=0.85, min_interval_s=5.0
@@ -45,15 +45,15 @@ def run_demo(
     import ray
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from cluster.coordinator import Coordinator, coordinator_actor_options
-    from cluster.group_api import LEADER_NAMESPACE
-    from cluster.lifecycle import RecoveryConfig
-    from router.metrics import EplbCollector
+    from flotilla.cluster.contract import DEFAULT_NAMESPACE
+    from flotilla.cluster.coordinator import Coordinator, coordinator_actor_options
+    from flotilla.cluster.lifecycle import RecoveryConfig
+    from flotilla.cluster.metrics import EplbCollector
 
     if not ray.is_initialized():
         ray.init(
             address="local",
-            namespace=LEADER_NAMESPACE,
+            namespace=DEFAULT_NAMESPACE,
             num_cpus=max(num_ranks, 2),
             include_dashboard=False,
             log_to_driver=False,
@@ -63,8 +63,8 @@ def run_demo(
     )
     coordinator: Any = (
         ray.remote(Coordinator)
-        .options(**coordinator_actor_options(LEADER_NAMESPACE))
-        .remote({}, RecoveryConfig(), 600.0, LEADER_NAMESPACE, config)
+        .options(**coordinator_actor_options(DEFAULT_NAMESPACE))
+        .remote({}, RecoveryConfig(), 600.0, DEFAULT_NAMESPACE, config)
     )
     try:
         ray.get(coordinator.start.remote())
@@ -78,7 +78,7 @@ def run_demo(
             start_http_server(metrics_port, registry=registry)
             say(f"metrics on http://127.0.0.1:{metrics_port}/metrics")
         say(f"`flotilla status --address {ray.get_runtime_context().gcs_address}` shows the EPLB block")
-        group = wait_for_ep_group(LEADER_NAMESPACE, timeout_s=300)
+        group = wait_for_ep_group(DEFAULT_NAMESPACE, timeout_s=300)
         say(f"{num_ranks} EP ranks up; serving skewed tokens, the coordinator ticks EPLB every {DEMO_TICK_S} s")
         checkpoint = MoeCheckpoint(model_dir)
         rng = np.random.default_rng(0)
@@ -105,7 +105,7 @@ def wait_for_ep_group(namespace: str, timeout_s: float) -> Any:
     """The coordinator's EP group, once it answers (its ranks have loaded their experts)."""
     import ray
 
-    from cluster.eplb.ep_group import EP_GROUP_NAME
+    from flotilla.cluster.eplb.ep_group import EP_GROUP_NAME
 
     deadline = time.monotonic() + timeout_s
     while True:

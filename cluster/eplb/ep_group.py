@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.eplb.controller import EplbController, EplbControllerConfig
-from cluster.group_api import EplbStatus
+from flotilla.cluster.contract import EplbStatus
+from flotilla.cluster.eplb.controller import EplbController, EplbControllerConfig
 
 EP_GROUP_NAME = "flotilla-ep-group"
 
@@ -40,7 +40,7 @@ class EpGroup:
     """Runs as a threaded Ray actor (``ep_group_actor_options``): forward and tick may arrive together."""
 
     def __init__(self, config: EpGroupConfig) -> None:
-        from cluster.eplb.runtime import CpuEpRuntime
+        from flotilla.cluster.eplb.runtime import CpuEpRuntime
 
         self.runtime = CpuEpRuntime(config.model, num_ranks=config.ranks, num_redundant=config.redundant)
         self.controller = EplbController(self.runtime, config.controller)

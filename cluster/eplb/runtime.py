@@ -30,8 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cluster.eplb.moe import MoeCheckpoint, MoeShape, expert_forward, route
-from cluster.eplb.transfers import LayerMigration, plan_layer_migration
+from flotilla.cluster.eplb.moe import MoeCheckpoint, MoeShape, expert_forward, route
+from flotilla.cluster.eplb.transfers import LayerMigration, plan_layer_migration
 
 
 def initial_placement(shape: MoeShape, num_physical: int) -> np.ndarray:

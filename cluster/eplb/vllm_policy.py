@@ -47,7 +47,7 @@ def _build_policy_class() -> type[Any]:
     import torch
     from vllm.distributed.eplb.policy.abstract import AbstractEplbPolicy
 
-    from cluster.eplb.placement import plan_placement
+    from flotilla.cluster.eplb.expert_placement import plan_placement
 
     class FlotillaEplbPolicy(AbstractEplbPolicy):
         """vLLM's ``rebalance_experts`` contract, exactly: ``old_global_expert_indices`` is the

@@ -6,12 +6,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from router.policies.base import Candidates, GroupView, PolicyParams, RoutingPolicy, RoutingRequest
-from router.policies.cache_aware import CacheAwarePolicy
-from router.policies.least_loaded import LeastLoadedPolicy
-from router.policies.power_of_two import PowerOfTwoPolicy
-from router.policies.prefix_only import PrefixOnlyPolicy
-from router.policies.round_robin import RoundRobinPolicy
+from flotilla.router.policies.base import Candidates, GroupView, PolicyParams, RoutingPolicy, RoutingRequest
+from flotilla.router.policies.cache_aware import CacheAwarePolicy
+from flotilla.router.policies.least_loaded import LeastLoadedPolicy
+from flotilla.router.policies.power_of_two import PowerOfTwoPolicy
+from flotilla.router.policies.prefix_only import PrefixOnlyPolicy
+from flotilla.router.policies.round_robin import RoundRobinPolicy
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
     policy.name: policy

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 from pydantic import Field
 
-from router.policies.base import Candidates, PolicyParams, RoutingPolicy, RoutingRequest, TieBreaker
+from flotilla.router.policies.base import Candidates, PolicyParams, RoutingPolicy, RoutingRequest, TieBreaker
 
 
 class CacheAwareParams(PolicyParams):

@@ -6,7 +6,7 @@ import random
 
 from pydantic import Field
 
-from router.policies.base import Candidates, PolicyParams, RoutingPolicy, RoutingRequest
+from flotilla.router.policies.base import Candidates, PolicyParams, RoutingPolicy, RoutingRequest
 
 
 class PowerOfTwoParams(PolicyParams):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from router.policies.base import Candidates, PolicyParams, RoutingPolicy, RoutingRequest, TieBreaker
+from flotilla.router.policies.base import Candidates, PolicyParams, RoutingPolicy, RoutingRequest, TieBreaker
 
 
 class RoundRobinPolicy(RoutingPolicy):

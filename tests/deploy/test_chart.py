@@ -12,7 +12,8 @@ import helm_python as helm
 import pytest
 import yaml
 
-from cluster.config import IngressConfig, ServeConfig
+from flotilla.config import ServeConfig
+from flotilla.router.settings import IngressConfig
 from scripts.render_manifests import CHART, rendered_objects
 from tests.deploy.k8s_schemas import validation_errors
 

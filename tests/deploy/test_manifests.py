@@ -68,7 +68,8 @@ def test_rules_file_passes_promtool(prometheus_bin) -> None:
 
 def test_image_recipe_matches_the_project_and_its_users() -> None:
     repo = render_manifests.REPO
-    project = tomllib.loads((repo / "pyproject.toml").read_text())["project"]
+    pyproject = tomllib.loads((repo / "pyproject.toml").read_text())
+    project = pyproject["project"]
     dockerfile = (repo / "deploy" / "docker" / "Dockerfile").read_text()
     assert set(re.findall(r"^FROM \S+ AS (\w+)$", dockerfile, re.M)) == {"base", "cpu", "gpu"}
     for target in ("cpu", "gpu"):
@@ -81,3 +82,5 @@ def test_image_recipe_matches_the_project_and_its_users() -> None:
     assert values["image"]["tag"] == tag and cloud["docker"]["image"] == image
     assert f"-t {image} ." in dockerfile
     assert "COPY deploy/ray/wait_for_slots.py" in dockerfile
+    for folder in pyproject["tool"]["setuptools"]["package-dir"].values():  # every folder the wheel maps
+        assert f"COPY {folder} ./{folder}" in dockerfile, folder

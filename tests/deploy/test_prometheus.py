@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -36,11 +35,13 @@ import httpx
 import pytest
 import yaml
 
-from cluster.config import ServeConfig
+from devtools import REPO, stop_gracefully, wait_for
+from flotilla.cluster.ports import free_port
+from flotilla.config import ServeConfig
 from scripts.dashboards import DASHBOARDS, to_grafana
 from scripts.render_manifests import RULES
 from tests.deploy.runbook_commands import promql_snippets
-from tests.e2e.server import REPO, Server, flotilla_serve, free_port
+from tests.e2e.server import Server, flotilla_serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -123,12 +124,7 @@ class Prometheus:
 
     def poll(self, expr: str, timeout_s: float) -> list[dict[str, Any]]:
         """The query's result as soon as it has series, or [] at the deadline."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            result = self.query(expr)
-            if result or time.monotonic() > deadline:
-                return result
-            time.sleep(0.5)
+        return wait_for(lambda: self.query(expr), timeout_s, 0.5) or []
 
     def firing(self) -> dict[str, list[dict[str, str]]]:
         alerts: dict[str, list[dict[str, str]]] = {}
@@ -160,7 +156,7 @@ def eplb_demo(models_dir) -> Iterator[str]:
     """`flotilla eplb-demo` serving its controller's metrics; yields host:port."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "eplb-demo", "--ranks", "2", "--duration-s", "900"]
+        [sys.executable, "-m", "flotilla.cli", "eplb-demo", "--ranks", "2", "--duration-s", "900"]
         + ["--metrics-port", str(port), "--model", str(models_dir / "tiny-mixtral")],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
@@ -169,12 +165,7 @@ def eplb_demo(models_dir) -> Iterator[str]:
     try:
         yield f"127.0.0.1:{port}"
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_gracefully(process, 60)
 
 
 @pytest.fixture(scope="module")
@@ -271,12 +262,7 @@ def loaded(server: Server, prometheus: Prometheus) -> Prometheus:
 
 
 def prometheus_wait_firing(prom: Prometheus, alert: str, timeout_s: float) -> list[dict[str, str]]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if alert in (firing := prom.firing()):
-            return firing[alert]
-        time.sleep(0.5)
-    return []
+    return wait_for(lambda: prom.firing().get(alert), timeout_s, 0.5) or []
 
 
 def test_provoked_alert_fires_under_load(loaded: Prometheus) -> None:
@@ -317,8 +303,8 @@ def test_runbook_promql_is_valid(loaded: Prometheus) -> None:
 KILL_LEADER = """
 import sys, time
 import ray
-from cluster.group_api import LEADER_NAMESPACE, leader_actor_name
-from cluster.ray_connect import connect
+from flotilla.cluster.contract import DEFAULT_NAMESPACE, leader_actor_name
+from flotilla.cluster.ray_connect import connect
 
 address, group = sys.argv[1], sys.argv[2]
 connect(address)
@@ -326,7 +312,7 @@ killed = set()
 deadline = time.monotonic() + 120
 while not killed and time.monotonic() < deadline:
     try:
-        leader = ray.get_actor(leader_actor_name(group), namespace=LEADER_NAMESPACE)
+        leader = ray.get_actor(leader_actor_name(group), namespace=DEFAULT_NAMESPACE)
     except ValueError:  # between incarnations
         time.sleep(0.2)
         continue

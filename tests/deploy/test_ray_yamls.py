@@ -13,7 +13,8 @@ import ray.autoscaler
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from cluster.config import IngressConfig, ServeConfig
+from flotilla.config import ServeConfig
+from flotilla.router.settings import IngressConfig
 
 RAY_DIR = Path(__file__).resolve().parents[2] / "deploy" / "ray"
 CLUSTERS = {"gpu-cluster.yaml": "flotilla-gpu.yaml", "onprem-cluster.yaml": "flotilla-onprem.yaml"}

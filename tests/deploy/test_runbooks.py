@@ -1,6 +1,6 @@
 """runbooks/: one per alert (linked from the alert), the required incidents, and commands that exist.
 
-`flotilla` commands are parsed by the real parser (cluster.cli.build_parser), `ray` commands by
+`flotilla` commands are parsed by the real parser (flotilla.cli.build_parser), `ray` commands by
 Ray's own click CLI (subcommands and flags), `kubectl`/`helm` only by verb (no binary here).
 PromQL blocks are evaluated against a live Prometheus in test_prometheus.py.
 """
@@ -16,7 +16,7 @@ import pytest
 import yaml
 from ray.scripts.scripts import cli as ray_cli
 
-from cluster.cli import build_parser
+from flotilla.cli import build_parser
 from scripts.render_manifests import RULES
 from tests.deploy.runbook_commands import RUNBOOKS, blocks, program_argv, runbook_files, shell_commands
 

@@ -1,60 +1,22 @@
-"""Helpers for the fault tests: steady load, the admin API, ``flotilla status``, recovery checks."""
+"""Helpers for the fault tests: the admin API, ``flotilla status``, recovery checks (the load is ``devtools.Load``)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from tests.e2e.server import REPO, Server, wait_until
+from devtools import REPO, Load, wait_for
+from tests.e2e.server import Server
 
 TOKEN = "failover-test-token"
 RECOVERY_TIMEOUT_S = 300
 
 
 # --- load and observation ------------------------------------------------------------------------------
-
-
-@dataclass
-class Load:
-    """Non-streaming completions, ``concurrency`` at a time, until stopped; every outcome recorded."""
-
-    url: str
-    model: str
-    concurrency: int = 4
-    outcomes: list[tuple[int, str]] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _threads: list[threading.Thread] = field(default_factory=list)
-
-    def __enter__(self) -> Load:
-        def run() -> None:
-            with httpx.Client(timeout=180) as client:
-                while not self._stop.is_set():
-                    body = {"model": self.model, "prompt": "The harbour at dawn", "max_tokens": 12}
-                    try:
-                        response = client.post(f"{self.url}/v1/completions", json=body)
-                        self.outcomes.append((response.status_code, response.text[:300]))
-                    except httpx.HTTPError as err:
-                        self.outcomes.append((0, repr(err)))
-
-        self._threads = [threading.Thread(target=run, daemon=True) for _ in range(self.concurrency)]
-        for thread in self._threads:
-            thread.start()
-        assert wait_until(lambda: len(self.outcomes) >= 8, 120), "the load never got going"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(200)
-
-    def failures(self) -> list[tuple[int, str]]:
-        return [o for o in self.outcomes if o[0] != 200]
 
 
 def admin(server: Server, method: str, path: str) -> Any:
@@ -76,7 +38,7 @@ def wait_back_in_routing(server: Server, name: str, generation: int) -> dict[str
         g = group(server, name)
         return g["state"] == "ready" and g["generation"] > generation
 
-    assert wait_until(back, RECOVERY_TIMEOUT_S, interval_s=0.5), f"{name} not back: {group(server, name)}"
+    assert wait_for(back, RECOVERY_TIMEOUT_S, interval_s=0.5), f"{name} not back: {group(server, name)}"
     return group(server, name)
 
 
@@ -93,7 +55,7 @@ def routed_to(server: Server, name: str) -> float:
 def cluster_status(server: Server) -> dict[str, Any]:
     """``flotilla status --json``: {"groups": [...], "eplb": ... or null}."""
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "status", "--json", "--address", server.ray_address],
+        [sys.executable, "-m", "flotilla.cli", "status", "--json", "--address", server.ray_address],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -120,7 +82,7 @@ def leader_pid(server: Server, name: str) -> int:
 def assert_recovered(server: Server, load: Load, name: str, before: dict[str, Any], kind: str) -> dict[str, Any]:
     after = wait_back_in_routing(server, name, before["generation"])
     routed = routed_to(server, name)
-    assert wait_until(lambda: routed_to(server, name) > routed, 60), f"{name} is ready but gets no requests"
+    assert wait_for(lambda: routed_to(server, name) > routed, 60), f"{name} is ready but gets no requests"
     assert after["restarts"].get(kind, 0) == before["restarts"].get(kind, 0) + 1, after
     assert after["last_failure"].startswith(kind)
     events = [e for e in admin(server, "GET", "/groups")["events"] if e["group"] == name and e["kind"] == kind]

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from devtools import REPO, stop_gracefully, wait_serving
+from flotilla.cluster.ports import free_port
+
 STARTUP_TIMEOUT_S = 600
 SHUTDOWN_TIMEOUT_S = 90
 
@@ -31,17 +30,11 @@ class Server:
         return "\n".join(self.lines)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def flotilla_serve(config: str = "examples/local-cpu.yaml", env: dict[str, str] | None = None) -> Iterator[Server]:
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--config", config, "--port", str(port)],
+        [sys.executable, "-m", "flotilla.cli", "serve", "--config", config, "--port", str(port)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -70,13 +63,7 @@ def flotilla_serve(config: str = "examples/local-cpu.yaml", env: dict[str, str] 
         )
         yield Server(f"http://127.0.0.1:{port}", address, process, lines)
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(SHUTDOWN_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_gracefully(process, SHUTDOWN_TIMEOUT_S)
 
 
 # vLLM's own server with the engine settings Flotilla gives its CPU groups (cluster/engine.py).
@@ -106,34 +93,10 @@ def vllm_serve(model: Path, served_name: str, flags: list[str]) -> Iterator[str]
     threading.Thread(target=lambda: lines.extend(process.stdout or ()), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     try:
-        if not wait_until(lambda: process.poll() is not None or _answers(f"{url}/health"), STARTUP_TIMEOUT_S, 1):
-            raise RuntimeError("vLLM's server did not start:\n" + "".join(lines[-60:]))
-        if process.poll() is not None:
-            raise RuntimeError("vLLM's server exited:\n" + "".join(lines[-60:]))
+        try:
+            wait_serving(f"{url}/health", process, STARTUP_TIMEOUT_S, "vLLM's server")
+        except (RuntimeError, TimeoutError) as err:
+            raise RuntimeError(f"{err}:\n" + "".join(lines[-60:])) from None
         yield url
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(SHUTDOWN_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def _answers(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
+        stop_gracefully(process, SHUTDOWN_TIMEOUT_S)

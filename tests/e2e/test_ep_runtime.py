@@ -16,13 +16,13 @@ import pytest
 import ray
 import torch
 
-from cluster.coordinator import Coordinator, coordinator_actor_options
-from cluster.eplb.controller import EplbController, EplbControllerConfig, EplbState
-from cluster.eplb.demo import skewed_tokens, wait_for_ep_group
-from cluster.eplb.ep_group import EP_GROUP_NAME, EpGroupConfig
-from cluster.eplb.moe import MoeCheckpoint, reference_forward
-from cluster.eplb.runtime import CpuEpRuntime
-from cluster.lifecycle import RecoveryConfig
+from flotilla.cluster.coordinator import Coordinator, coordinator_actor_options
+from flotilla.cluster.eplb.controller import EplbController, EplbControllerConfig, EplbState
+from flotilla.cluster.eplb.demo import skewed_tokens, wait_for_ep_group
+from flotilla.cluster.eplb.ep_group import EP_GROUP_NAME, EpGroupConfig
+from flotilla.cluster.eplb.moe import MoeCheckpoint, reference_forward
+from flotilla.cluster.eplb.runtime import CpuEpRuntime
+from flotilla.cluster.lifecycle import RecoveryConfig
 from tests.e2e.server import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -123,7 +123,7 @@ def test_the_coordinator_drives_eplb_on_its_ep_group(ray_session: None, tiny_mix
             [
                 sys.executable,
                 "-m",
-                "cluster.cli",
+                "flotilla.cli",
                 "status",
                 "--json",
                 "--namespace",

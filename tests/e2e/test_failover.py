@@ -22,11 +22,11 @@ import httpx
 import pytest
 import ray
 
-from cluster.group_api import COORDINATOR_NAME, LEADER_NAMESPACE
-from cluster.ray_connect import connect
+from devtools import Load, wait_for
+from flotilla.cluster.contract import COORDINATOR_NAME, DEFAULT_NAMESPACE
+from flotilla.cluster.ray_connect import connect
 from tests.e2e.faults import (
     TOKEN,
-    Load,
     admin,
     assert_recovered,
     group,
@@ -34,7 +34,7 @@ from tests.e2e.faults import (
     rank_pid,
     routed_to,
 )
-from tests.e2e.server import Server, flotilla_serve, wait_until
+from tests.e2e.server import Server, flotilla_serve
 
 pytestmark = pytest.mark.e2e
 
@@ -75,7 +75,7 @@ def test_killed_tp_worker_restarts_its_group_and_loses_no_request(server: Server
     streams, bodies = long_streams(server, 4)
     with Load(server.url, "tiny-llama") as load:
         os.kill(rank_pid(server, "group-0", rank=1), signal.SIGKILL)
-        assert wait_until(lambda: group(server, "group-0")["state"] != "ready", 10), "the death went unnoticed"
+        assert wait_for(lambda: group(server, "group-0")["state"] != "ready", 10), "the death went unnoticed"
         assert group(server, "group-1")["state"] == "ready"
         assert_recovered(server, load, "group-0", before, "engine_dead")
     for thread in streams:
@@ -113,8 +113,8 @@ def test_killed_coordinator_comes_back_and_adopts_the_groups(server: Server) -> 
     first = admin(server, "GET", "/groups")
     generations = {g["name"]: g["generation"] for g in first["groups"]}
     with Load(server.url, "tiny-llama") as load:
-        ray.kill(ray.get_actor(COORDINATOR_NAME, namespace=LEADER_NAMESPACE), no_restart=False)
-        assert wait_until(
+        ray.kill(ray.get_actor(COORDINATOR_NAME, namespace=DEFAULT_NAMESPACE), no_restart=False)
+        assert wait_for(
             lambda: admin(server, "GET", "/groups")["coordinator_started_at"] != first["coordinator_started_at"], 60
         )
         second = admin(server, "GET", "/groups")
@@ -122,12 +122,12 @@ def test_killed_coordinator_comes_back_and_adopts_the_groups(server: Server) -> 
         assert all("adopted" in g["detail"] for g in second["groups"])
         for name in generations:  # the same engines: nothing restarted
             routed = routed_to(server, name)
-            assert wait_until(lambda name=name, routed=routed: routed_to(server, name) > routed, 60)
+            assert wait_for(lambda name=name, routed=routed: routed_to(server, name) > routed, 60)
     assert load.failures() == []
 
 
 def test_drain_resume_and_no_ready_group(server: Server) -> None:
-    cli = [sys.executable, "-m", "cluster.cli"]
+    cli = [sys.executable, "-m", "flotilla.cli"]
     drained = subprocess.run(
         [*cli, "drain", "group-0", "--address", server.ray_address], capture_output=True, text=True, check=True
     )

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.local_ray import LocalCluster, LocalClusterShape
-from tests.e2e.faults import TOKEN, Load, group, status, wait_back_in_routing
+from devtools import Load
+from flotilla.cluster.local_ray import LocalCluster, LocalClusterShape
+from tests.e2e.faults import TOKEN, group, status, wait_back_in_routing
 from tests.e2e.server import Server, flotilla_serve
 
 pytestmark = pytest.mark.e2e

@@ -17,17 +17,17 @@ import pytest
 import ray
 from ray.util.state import list_actors
 
-from cluster.config import LocalClusterConfig
-from cluster.engine import EngineSpec
-from cluster.group import ReplicaGroup
-from cluster.local_ray import LocalCluster, LocalClusterShape
-from cluster.model_spec import ModelSpec
-from cluster.planner import kv_capacity_tokens
-from router.block_keys import block_keys
-from router.group_channel import GroupChannel
-from router.kv_events import KvEventFeed
-from router.prefix_index import PrefixIndex
-from router.settings import IngressSettings
+from flotilla.cluster.config import LocalClusterConfig
+from flotilla.cluster.engine import EngineSpec
+from flotilla.cluster.group import ReplicaGroup
+from flotilla.cluster.local_ray import LocalCluster, LocalClusterShape
+from flotilla.cluster.model_spec import ModelSpec
+from flotilla.cluster.planner import kv_capacity_tokens
+from flotilla.router.block_keys import block_keys
+from flotilla.router.group_channel import GroupChannel
+from flotilla.router.kv_events import KvEventFeed
+from flotilla.router.prefix_index import PrefixIndex
+from flotilla.router.settings import IngressSettings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 PROMPTS = [
@@ -72,7 +72,7 @@ def engine_requests(spec: EngineSpec, max_model_len: int, block_size: int) -> li
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from router.frontend import frontend_config
+    from flotilla.router.frontend import frontend_config
 
     settings = IngressSettings(engine=spec, max_model_len=max_model_len, block_size=block_size)
     processor = InputProcessor(frontend_config(settings))

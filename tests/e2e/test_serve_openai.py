@@ -11,10 +11,11 @@ import openai
 import pytest
 import ray
 
-from cluster.group_api import LEADER_NAMESPACE, leader_actor_name
-from cluster.ray_connect import connect
+from devtools import wait_for
+from flotilla.cluster.contract import DEFAULT_NAMESPACE, leader_actor_name
+from flotilla.cluster.ray_connect import connect
 from tests.e2e.faults import cluster_status
-from tests.e2e.server import Server, flotilla_serve, wait_until
+from tests.e2e.server import Server, flotilla_serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 MODEL = "tiny-llama"
@@ -109,7 +110,7 @@ def test_invalid_sampling_is_a_400_at_once(server: Server, path: str, stream: bo
 
 def test_an_exception_in_every_leader_ends_the_request_and_the_next_one_is_served(server: Server, ray_driver) -> None:
     """Whatever breaks inside a group ends the request with an error within 5 s (after failover)."""
-    leaders = [ray.get_actor(leader_actor_name(g), namespace=LEADER_NAMESPACE) for g in GROUPS]
+    leaders = [ray.get_actor(leader_actor_name(g), namespace=DEFAULT_NAMESPACE) for g in GROUPS]
 
     def break_engine(leader) -> None:
         async def failing_generate(*args, **kwargs):
@@ -190,7 +191,7 @@ def test_health_and_metrics(server: Server) -> None:
 
 
 def test_client_disconnect_aborts_the_engine_request(server: Server, ray_driver) -> None:
-    leaders = [ray.get_actor(leader_actor_name(g), namespace=LEADER_NAMESPACE) for g in GROUPS]
+    leaders = [ray.get_actor(leader_actor_name(g), namespace=DEFAULT_NAMESPACE) for g in GROUPS]
 
     def unfinished() -> int:
         return sum(ray.get([leader.num_unfinished_requests.remote() for leader in leaders]))
@@ -203,7 +204,7 @@ def test_client_disconnect_aborts_the_engine_request(server: Server, ray_driver)
                 break
         assert unfinished() == 1
     # 2000 tokens take well over 10 s here; the abort must free the engine long before that.
-    assert wait_until(lambda: unfinished() == 0, timeout_s=5), "engine request still running after disconnect"
+    assert wait_for(lambda: unfinished() == 0, timeout_s=5), "engine request still running after disconnect"
     text = httpx.get(f"{server.url}/metrics").text
     assert metric(text, "flotilla_aborted_requests_total", endpoint="completions") == 1
 
@@ -228,7 +229,7 @@ def test_ctrl_c_shuts_everything_down(server: Server, ray_driver) -> None:
     assert server.process.wait(timeout=120) == 0
     assert "flotilla: shutting down" in server.output() and "flotilla: stopped" in server.output()
     host, port = server.ray_address.rsplit(":", 1)
-    assert wait_until(lambda: not port_open(host, int(port)), timeout_s=30), "Ray GCS still listening"
+    assert wait_for(lambda: not port_open(host, int(port)), timeout_s=30), "Ray GCS still listening"
     http_port = int(server.url.rsplit(":", 1)[1])
     assert not port_open("127.0.0.1", http_port)
 

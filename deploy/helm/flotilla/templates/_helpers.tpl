@@ -61,7 +61,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- toYaml $config -}}
 {{- end -}}
 
-{{/* Environment every Ray process needs (IngressConfig.ray_env() in cluster/config.py). */}}
+{{/* Environment every Ray process needs (IngressConfig.ray_env() in router/settings.py). */}}
 {{- define "flotilla.rayEnv" -}}
 {{- $ingress := .Values.config.ingress | default dict -}}
 {{- if ne ($ingress.proxy | default "haproxy") "serve" }}

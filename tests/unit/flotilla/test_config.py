@@ -5,10 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ConfigError, ServeConfig
-from cluster.launcher import validate
+from flotilla.cluster.config import ConfigError
+from flotilla.config import ServeConfig
+from flotilla.launcher import validate
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -78,7 +79,7 @@ def test_omitted_tp_and_pp_are_chosen_by_the_planner(tmp_path, tiny_llama) -> No
 def test_latency_sensitive_planning_uses_tp_inside_the_node(tmp_path) -> None:
     model = tmp_path / "llama-3-70b"
     model.mkdir()
-    shutil.copy(Path(__file__).parent / "model_configs" / "llama-3-70b.json", model / "config.json")
+    shutil.copy(REPO / "tests" / "unit" / "cluster" / "model_configs" / "llama-3-70b.json", model / "config.json")
     fields = (
         "tensor_parallel_size: null\npipeline_parallel_size: null\n"
         "plan: {accelerators_per_node: 8, memory_gib: 80, latency_sensitive: true, concurrency: 8}"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.model_spec import ModelSpec
-from cluster.planner import (
+from flotilla.cluster.model_spec import ModelSpec
+from flotilla.cluster.planner import (
     KIB,
     ClusterSpec,
     Layout,
@@ -24,7 +24,7 @@ from cluster.planner import (
 )
 
 CONFIGS = Path(__file__).parent / "model_configs"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 H100 = dict(accelerators_per_node=8, memory_gib=80)
 RULES = {
     "heads-divisible-by-tp",
@@ -191,7 +191,7 @@ def test_a_context_that_does_not_fit_the_kv_cache_says_by_how_much() -> None:
 
 def flotilla_plan(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "plan", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "flotilla.cli", "plan", *args], cwd=REPO, capture_output=True, text=True, timeout=120
     )
 
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.engine_metrics import merge_group_metrics
+from flotilla.router.engine_metrics import merge_group_metrics
 
 ENGINE_TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

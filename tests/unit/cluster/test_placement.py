@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.placement import PlacementError, assign_ranks, bundle_indices_env, plan_bundles
+from flotilla.cluster.placement import PlacementError, assign_ranks, bundle_indices_env, plan_bundles
 
 
 def test_plan_bundles_leader_first_then_one_accelerator_per_rank() -> None:

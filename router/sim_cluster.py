@@ -13,8 +13,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from cluster.sim_engine import KvEvent, SimEngine, SimEngineConfig, SimRequest
-from router.routing import Decision, EngineLoad, Router
+from flotilla.router.routing import Decision, EngineLoad, Router
+from flotilla.router.sim_engine import KvEvent, SimEngine, SimEngineConfig, SimRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from cluster.eplb.balance import replica_counts
-from cluster.eplb.controller import EplbController, EplbControllerConfig, EplbState
-from cluster.eplb.transfers import LayerMigration, plan_layer_migration
-from cluster.group_api import Membership
-from cluster.status import ClusterStatus, render_json, render_table
-from router.metrics import MembershipCollector
+from flotilla.cluster.contract import Membership
+from flotilla.cluster.eplb.balance import replica_counts
+from flotilla.cluster.eplb.controller import EplbController, EplbControllerConfig, EplbState
+from flotilla.cluster.eplb.transfers import LayerMigration, plan_layer_migration
+from flotilla.cluster.status import ClusterStatus, render_json, render_table
+from flotilla.router.metrics import MembershipCollector
 
 LAYERS, LOGICAL, RANKS, PHYSICAL = 3, 16, 4, 20
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def serve(config: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config)],
+        [sys.executable, "-m", "flotilla.cli", "serve", "--config", str(config)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -43,7 +43,7 @@ def test_bad_layout_exits_2_naming_the_rule_without_starting_ray(tmp_path, tiny_
 
 def test_make_model_is_a_no_op_when_up_to_date(models_dir) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "make-model", "--out", str(models_dir)],
+        [sys.executable, "-m", "flotilla.cli", "make-model", "--out", str(models_dir)],
         cwd=REPO,
         capture_output=True,
         text=True,

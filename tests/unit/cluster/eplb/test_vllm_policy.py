@@ -11,8 +11,8 @@ import pytest
 import torch
 from vllm.distributed.eplb.policy import EPLB_POLICIES, AbstractEplbPolicy, DefaultEplbPolicy
 
-from cluster.eplb import vllm_policy
-from cluster.eplb.placement import plan_placement
+from flotilla.cluster.eplb import vllm_policy
+from flotilla.cluster.eplb.expert_placement import plan_placement
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def restored_policies() -> Iterator[None]:
 
 def test_entry_point_is_a_vllm_general_plugin() -> None:
     plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
-    assert plugins.get("flotilla_eplb_policy") == "cluster.eplb.vllm_policy:register"
+    assert plugins.get("flotilla_eplb_policy") == "flotilla.cluster.eplb.vllm_policy:register"
 
 
 def test_vllm_plugin_loader_registers_the_policy(restored_policies: None) -> None:

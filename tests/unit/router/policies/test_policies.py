@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.policies import POLICIES, make_policy
-from router.routing import Router
+from flotilla.router.policies import POLICIES, make_policy
+from flotilla.router.routing import Router
 
 
 def test_round_robin_cycles_through_groups_in_the_order_they_joined() -> None:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.block_keys import block_keys, none_hash
+from flotilla.router.block_keys import block_keys, none_hash
 
 
 @pytest.mark.parametrize(("tokens", "block_size"), [(300, 128), (64, 16), (127, 128), (1000, 16)])

@@ -4,12 +4,12 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from cluster import vllm_platform
+from flotilla.cluster import vllm_platform
 
 
 def test_entry_point_is_registered_for_vllm() -> None:
     plugins = {ep.name: ep.value for ep in entry_points(group="vllm.platform_plugins")}
-    assert plugins.get("flotilla_cpu_ray") == "cluster.vllm_platform:register"
+    assert plugins.get("flotilla_cpu_ray") == "flotilla.cluster.vllm_platform:register"
 
 
 def test_active_on_a_cpu_only_machine() -> None:
@@ -32,7 +32,7 @@ def test_steps_aside_when_a_real_accelerator_is_present(monkeypatch, accelerator
 def test_platform_class_places_workers_on_gpu_slots() -> None:
     from vllm.platforms.cpu import CpuPlatform
 
-    from cluster.vllm_platform_cpu import CpuRayPlatform
+    from flotilla.cluster.vllm_platform_cpu import CpuRayPlatform
 
     assert issubclass(CpuRayPlatform, CpuPlatform)
     assert CpuRayPlatform.ray_device_key == "GPU"

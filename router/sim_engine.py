@@ -22,7 +22,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.block_keys import block_keys, none_hash
+from flotilla.router.block_keys import block_keys, none_hash
 
 
 @dataclass(frozen=True, slots=True)

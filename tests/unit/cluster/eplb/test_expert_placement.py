@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cluster.eplb import deepseek
-from cluster.eplb.balance import balancedness, rank_loads, replica_counts, slots_needing_transfer
-from cluster.eplb.placement import plan_placement
+from flotilla.cluster.eplb import deepseek
+from flotilla.cluster.eplb.balance import balancedness, rank_loads, replica_counts, slots_needing_transfer
+from flotilla.cluster.eplb.expert_placement import plan_placement
 
 # (layers, logical, physical, groups, nodes, ranks)
 SHAPES = [

@@ -7,7 +7,7 @@ from pathlib import Path
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from cluster.tiny_models import EOT, TINY_MODELS, make_model
+from flotilla.cluster.tiny_models import EOT, TINY_MODELS, make_model
 
 
 def digest(folder: Path) -> dict[str, str]:

@@ -19,16 +19,16 @@ import psutil
 import ray
 from ray import serve
 
-from cluster.config import ConfigError, ServeConfig
-from cluster.engine import EngineSpec, unknown_engine_args
-from cluster.group_api import LEADER_NAMESPACE, GroupState, Membership
-from cluster.layout import check_capacity, check_layout
-from cluster.leader import EngineInfo
-from cluster.local_ray import LocalCluster, LocalClusterShape
-from cluster.model_spec import ModelSpec, UnsupportedModelError
-from cluster.placement import HEAD_NODE_RESOURCE
-from cluster.planner import GIB, ClusterSpec, LinkKind, Workload, choose_for_groups
-from cluster.ports import free_port
+from flotilla.cluster.config import ConfigError
+from flotilla.cluster.contract import EngineInfo, GroupState, Membership
+from flotilla.cluster.engine import EngineSpec, unknown_engine_args
+from flotilla.cluster.layout import check_capacity, check_layout
+from flotilla.cluster.local_ray import LocalCluster, LocalClusterShape
+from flotilla.cluster.model_spec import ModelSpec, UnsupportedModelError
+from flotilla.cluster.placement import HEAD_NODE_RESOURCE
+from flotilla.cluster.planner import GIB, ClusterSpec, LinkKind, Workload, choose_for_groups
+from flotilla.cluster.ports import free_port
+from flotilla.config import ServeConfig
 
 SERVE_APP_NAME = "flotilla"
 HEARTBEAT_S = 10.0
@@ -75,7 +75,7 @@ def validate(config: ServeConfig) -> tuple[ServeConfig, ModelSpec, list[str]]:
 
 def _check_serving(config: ServeConfig) -> None:
     """The serving layer's flags, checked by vLLM's own rules; API keys present when asked for."""
-    from router.frontend import check_parsers, serving_args
+    from flotilla.router.frontend import check_parsers, serving_args
 
     try:
         serving_args(config.serving, str(config.model_path), config.model_name)
@@ -241,12 +241,13 @@ def _engine_spec(config: ServeConfig, cluster: LocalCluster | None) -> EngineSpe
 
 
 def _start_coordinator(config: ServeConfig, cluster: LocalCluster | None) -> Any:
-    from cluster.coordinator import Coordinator, coordinator_actor_options
+    from flotilla.cluster.coordinator import Coordinator, coordinator_actor_options
 
     spec = _engine_spec(config, cluster)
     groups = {group_name(i): spec for i in range(config.groups)}
-    actor = ray.remote(Coordinator).options(**coordinator_actor_options(LEADER_NAMESPACE))
-    return actor.remote(groups, config.coordinator, config.startup_timeout_s, LEADER_NAMESPACE)
+    namespace = config.cluster.namespace
+    actor = ray.remote(Coordinator).options(**coordinator_actor_options(namespace))
+    return actor.remote(groups, config.coordinator, config.startup_timeout_s, namespace)
 
 
 async def _wait_for_groups(coordinator: Any, say: Say) -> Membership:
@@ -274,8 +275,8 @@ async def _wait_for_groups(coordinator: Any, say: Say) -> Membership:
 
 
 def _deploy_ingress(deployment: Deployment, membership: Membership) -> None:
-    from router.ingress import OpenAIIngress
-    from router.settings import IngressSettings
+    from flotilla.router.ingress import OpenAIIngress
+    from flotilla.router.settings import IngressSettings
 
     config = deployment.config
     infos = [cast(EngineInfo, g.info) for g in membership.ready()]
@@ -286,7 +287,7 @@ def _deploy_ingress(deployment: Deployment, membership: Membership) -> None:
         routing=config.routing,
         failover=config.failover,
         admin_token=os.environ.get(config.admin_token_env) or None,
-        namespace=LEADER_NAMESPACE,
+        namespace=config.cluster.namespace,
         serving=config.serving,
         api_keys=_api_keys(config),
     )

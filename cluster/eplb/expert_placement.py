@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cluster.eplb import deepseek
-from cluster.eplb.balance import rank_loads, replica_counts
+from flotilla.cluster.eplb import deepseek
+from flotilla.cluster.eplb.balance import rank_loads, replica_counts
 
 _NO_EXPERT = -1
 _NEAR_PARTNERS = 8

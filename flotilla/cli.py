@@ -7,7 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.config import ConfigError, ServeConfig
+from flotilla.cluster.config import ConfigError
+from flotilla.cluster.contract import DEFAULT_NAMESPACE
+from flotilla.config import ServeConfig
 
 DEFAULT_CONFIG = "examples/local-cpu.yaml"
 
@@ -17,7 +19,7 @@ def _say(message: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from cluster import launcher
+    from flotilla import launcher
 
     overrides = {key: value for key, value in (("host", args.host), ("port", args.port)) if value is not None}
     try:
@@ -30,8 +32,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from cluster import status
-    from cluster.ray_connect import connect
+    from flotilla.cluster import status
+    from flotilla.cluster.ray_connect import connect
 
     try:
         connect(args.address, args.namespace)
@@ -48,8 +50,8 @@ def cmd_group_action(args: argparse.Namespace) -> int:
     import ray
     from ray.exceptions import RayTaskError
 
-    from cluster.group_api import COORDINATOR_NAME
-    from cluster.ray_connect import connect
+    from flotilla.cluster.contract import COORDINATOR_NAME
+    from flotilla.cluster.ray_connect import connect
 
     try:
         connect(args.address, args.namespace)
@@ -68,9 +70,9 @@ def cmd_group_action(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from cluster.model_spec import ModelSpec, UnsupportedModelError
-    from cluster.plan_report import render_json, render_text
-    from cluster.planner import ClusterSpec, LinkKind, Workload, plan
+    from flotilla.cluster.model_spec import ModelSpec, UnsupportedModelError
+    from flotilla.cluster.plan_report import render_json, render_text
+    from flotilla.cluster.planner import ClusterSpec, LinkKind, Workload, plan
 
     try:
         spec = ModelSpec.from_path(args.model)
@@ -92,7 +94,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from cluster.tiny_models import DEFAULT_MODELS, TINY_MODELS, make_model
+    from flotilla.cluster.tiny_models import DEFAULT_MODELS, TINY_MODELS, make_model
 
     names = args.names or list(DEFAULT_MODELS)
     unknown = sorted(set(names) - TINY_MODELS.keys())
@@ -107,7 +109,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def cmd_eplb_demo(args: argparse.Namespace) -> int:
-    from cluster.eplb.demo import run_demo
+    from flotilla.cluster.eplb.demo import run_demo
 
     return run_demo(
         Path(args.model), args.ranks, args.redundant, args.duration_s, args.tokens_per_step, args.metrics_port, _say
@@ -127,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="show every group, rank, bundle, node and state")
     status.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
-    status.add_argument("--namespace", default="flotilla")
+    status.add_argument("--namespace", default=DEFAULT_NAMESPACE)
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=cmd_status)
 
@@ -139,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         command = commands.add_parser(action, help=description)
         command.add_argument("group", help="group name, e.g. group-0 (see flotilla status)")
         command.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
-        command.add_argument("--namespace", default="flotilla")
+        command.add_argument("--namespace", default=DEFAULT_NAMESPACE)
         command.set_defaults(func=cmd_group_action, action=action)
 
     plan = commands.add_parser("plan", help="rank TP/PP/DP/EP layouts for a model on a cluster, and say why")

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
-if TYPE_CHECKING:
-    from cluster.leader import EngineInfo
-
-LEADER_NAMESPACE = "flotilla"
+DEFAULT_NAMESPACE = "flotilla"
+"""Ray namespace of the coordinator, the leaders and the ingress unless ``cluster.namespace`` says otherwise."""
 
 
 def leader_actor_name(group_name: str) -> str:
@@ -175,9 +173,7 @@ def _positions_from_wire(positions: list[WirePosition] | None, flat: bool) -> An
     if positions is None:
         return None
     restored = [
-        None
-        if candidates is None
-        else {c.token_id: Logprob(c.logprob, c.rank, c.decoded_token) for c in candidates}
+        None if candidates is None else {c.token_id: Logprob(c.logprob, c.rank, c.decoded_token) for c in candidates}
         for candidates in positions
     ]
     if not flat:
@@ -198,6 +194,71 @@ def encode_outputs(batch: list[WireOutput]) -> bytes:
 def decode_outputs(payload: bytes) -> list[WireOutput]:
     """Typed decoding: a malformed or foreign message raises, it never builds arbitrary objects."""
     return _decoder.decode(payload)
+
+
+# --- what a leader tells the coordinator, the ingress and `flotilla status` -----------------
+
+
+class EnginePhase(StrEnum):
+    """One group's engine bring-up, as its ``ReplicaGroup`` drives it and its leader reports it.
+
+    Not to be confused with :class:`GroupState`, the coordinator's routing lifecycle of a group.
+    """
+
+    PLACING = "placing"  # reserving the placement group's bundles (no leader yet)
+    STARTING_ENGINE = "starting_engine"  # workers, weights, KV cache
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the ingress and status need to know about a ready engine."""
+
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    vllm_instance_id: str
+    startup_s: float
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """The engine's scheduler state after its latest step (vLLM's own scheduler stats)."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    vllm_instance_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderHealth:
+    """What the coordinator's periodic check learns from a leader."""
+
+    engine_alive: bool
+    error: str | None
+    unfinished_requests: int
+    seconds_since_progress: float
+    """Since the engine last produced output, or since it got work while idle."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderDescription:
+    group_name: str
+    phase: EnginePhase
+    error: str | None
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    rank_bundles: list[int]
+    """Bundle index of rank 0, 1, …"""
+    vllm_instance_id: str | None
+    info: EngineInfo | None
+    generation: int = 0
+    """Which (re)start of the group this leader is; survives a coordinator restart."""
 
 
 # --- group membership, published by the coordinator to every ingress replica -------------------
@@ -274,8 +335,7 @@ class GroupEvent:
 
     group: str
     reason: str
-    kind: str
-    """Short reason class: leader_died, engine_dead, worker_died, hang, request_failed, operator."""
+    kind: FailureKind
     last_healthy_at: float
     detected_at: float
     back_in_routing_at: float | None = None

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.layout import check_capacity, check_layout
-from cluster.model_spec import ModelSpec, UnsupportedModelError
+from flotilla.cluster.layout import check_capacity, check_layout
+from flotilla.cluster.model_spec import ModelSpec, UnsupportedModelError
 
 CONFIGS = Path(__file__).parent / "model_configs"
 

@@ -16,8 +16,7 @@ from vllm.logprobs import FlatLogprobs, Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-from cluster.engine import EngineSpec
-from cluster.group_api import (
+from flotilla.cluster.contract import (
     EngineErrorKind,
     GroupEngineError,
     WireOutput,
@@ -26,11 +25,12 @@ from cluster.group_api import (
     from_wire,
     to_wire,
 )
-from router.engine_client import RoutedEngineClient
-from router.metrics import IngressMetrics
-from router.policies import make_policy
-from router.routing import Decision, NoRoutableGroup, Router
-from router.settings import IngressSettings
+from flotilla.cluster.engine import EngineSpec
+from flotilla.router.engine_client import RoutedEngineClient
+from flotilla.router.metrics import IngressMetrics
+from flotilla.router.policies import make_policy
+from flotilla.router.routing import Decision, NoRoutableGroup, Router
+from flotilla.router.settings import IngressSettings
 
 # The signature RoutedEngineClient.generate was written against (vLLM 0.32.0). When vLLM changes
 # it, this test names the difference: update RoutedEngineClient.generate, then this list.
@@ -198,7 +198,7 @@ def output(tokens: list[int], finished: bool) -> WireOutput:
 def frontend(tiny_llama: Path):
     from vllm.renderers import renderer_from_config
 
-    from router.frontend import frontend_config
+    from flotilla.router.frontend import frontend_config
 
     spec = EngineSpec(str(tiny_llama), "tiny-llama", 1, 1)
     settings = IngressSettings(engine=spec, max_model_len=256, block_size=16)
@@ -299,7 +299,7 @@ def test_no_routable_group_is_a_503_before_the_response_starts(frontend) -> None
 
 
 async def test_a_caller_leaving_early_counts_an_abort_and_releases_the_group(frontend) -> None:
-    from router.engine_client import REQUEST_CONTEXT, RequestContext
+    from flotilla.router.engine_client import REQUEST_CONTEXT, RequestContext
 
     channels = {"g0": ScriptedChannel([output([1], False), output([2], False), output([3], True)])}
     client = client_over(frontend, channels)

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from router.prefix_index import CONFIRMED, STORED, PrefixIndex
+from flotilla.router.prefix_index import CONFIRMED, STORED, PrefixIndex
 
 
 class Clock:

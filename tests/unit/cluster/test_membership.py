@@ -9,16 +9,14 @@ from typing import Any
 
 import pytest
 
-from cluster import coordinator as coordinator_module
-from cluster.coordinator import Coordinator, UnknownGroup
-from cluster.engine import EngineSpec
-from cluster.group import StartStep
-from cluster.group_api import GroupSnapshot, GroupState, Membership
-from cluster.leader import LeaderHealth
-from cluster.lifecycle import RecoveryConfig, RestartBudget
-from router.group_directory import GroupDirectory
-from router.routing import NoRoutableGroup
-from router.settings import IngressSettings, RoutingConfig
+from flotilla.cluster import coordinator as coordinator_module
+from flotilla.cluster.contract import EnginePhase, GroupSnapshot, GroupState, LeaderHealth, Membership
+from flotilla.cluster.coordinator import Coordinator, UnknownGroup
+from flotilla.cluster.engine import EngineSpec
+from flotilla.cluster.lifecycle import RecoveryConfig, RestartBudget
+from flotilla.router.group_directory import GroupDirectory
+from flotilla.router.routing import NoRoutableGroup
+from flotilla.router.settings import IngressSettings, RoutingConfig
 
 BLOCK = 16
 PROMPT = list(range(100, 100 + 4 * BLOCK + 3))
@@ -86,7 +84,7 @@ class FakeGroup:
 
     def __init__(self, name: str, spec: EngineSpec, namespace: str = "", generation: int = 0) -> None:
         self.name, self.spec, self.generation = name, spec, generation
-        self.step = StartStep.PLACING
+        self.phase = EnginePhase.PLACING
         self.leader: FakeLeader | None = None
         self.info = None
         self.instance_id: str | None = None
@@ -97,24 +95,24 @@ class FakeGroup:
         FakeGroup.started.append(self.name)
         await asyncio.sleep(0.05)  # long enough for watchers to see the group start
         if self.name in FakeGroup.fail_starts:
-            self.step, self.error = StartStep.FAILED, "engine would not start"
+            self.phase, self.error = EnginePhase.FAILED, "engine would not start"
             raise RuntimeError(self.error)
         self.leader = FakeLeader()
         self.instance_id = f"{self.name}-{len(FakeGroup.started)}"
-        self.step = StartStep.READY
+        self.phase = EnginePhase.READY
 
     async def adopt(self) -> bool:
         self.generation, ready = FakeGroup.leftovers.get(self.name, (0, False))
         if ready:
-            self.leader, self.instance_id, self.step = FakeLeader(), f"{self.name}-adopted", StartStep.READY
+            self.leader, self.instance_id, self.phase = FakeLeader(), f"{self.name}-adopted", EnginePhase.READY
         return ready
 
     async def teardown(self, graceful: bool = True) -> None:
         FakeGroup.torn_down.append(self.name)
-        self.leader, self.step = None, StartStep.STOPPED
+        self.leader, self.phase = None, EnginePhase.STOPPED
 
     def describe_step(self) -> str:
-        return f"{self.step.value}: {self.error or ''}"
+        return f"{self.phase.value}: {self.error or ''}"
 
 
 @pytest.fixture
