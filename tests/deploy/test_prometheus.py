@@ -135,11 +135,12 @@ class Prometheus:
 
 
 def server_config(tmp_path: Path) -> str:
-    """examples/local-cpu.yaml, plus a one-restart budget where the coordinator supports it."""
+    """examples/local-cpu.yaml with the tiny model, plus a one-restart budget."""
     raw = yaml.safe_load((REPO / "examples" / "local-cpu.yaml").read_text())
     if "coordinator" in ServeConfig.model_fields:
         raw["coordinator"] = {"max_restarts": 1}
-    raw["model"] = str(REPO / raw["model"])
+    # The tiny model: this module is about metrics and alerts, and it serves a lot of tokens.
+    raw["model"], raw["served_model_name"] = str(REPO / "models" / "tiny-llama"), MODEL
     path = tmp_path / "flotilla.yaml"
     path.write_text(yaml.safe_dump(raw))
     return str(path)

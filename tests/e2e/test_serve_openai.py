@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -18,12 +19,12 @@ from tests.e2e.faults import cluster_status
 from tests.e2e.server import Server, flotilla_serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
-MODEL = "tiny-llama"
+MODEL = "smollm2-135m-instruct"  # what examples/local-cpu.yaml serves
 GROUPS = ("group-0", "group-1")
 
 
 @pytest.fixture(scope="module")
-def server(models_dir) -> Server:
+def server(smollm2) -> Server:
     with flotilla_serve() as running:
         yield running
 
@@ -82,6 +83,27 @@ def test_chat_completion_and_its_stream_agree(client: openai.OpenAI) -> None:
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert content == full.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_a_real_model_answers_in_words(client: openai.OpenAI) -> None:
+    """The README's first request, greedy: a real answer, not the tiny models' gibberish."""
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0
+    )
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_structured_output_holds_a_real_answer(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+        temperature=0,
+        max_tokens=40,
+    )
+    assert json.loads(reply.choices[0].message.content) == {"city": "Paris"}
 
 
 def test_sse_stream_ends_with_done(server: Server) -> None:
