@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import pytest
 import yaml
 from kubernetes_validate import utils as kube
 
@@ -41,6 +42,8 @@ def crds_dir() -> Path:
 @functools.cache
 def crd_schema(api_version: str, kind: str) -> dict[str, Any]:
     path = crds_dir() / CRD_FILES[(api_version, kind)]
+    if not path.exists():  # a clone without ../shared: say what is missing instead of failing
+        pytest.skip(f"{kind} CRD schema not found at {path}; set {CRDS_DIR_ENV} to a folder holding {path.name}")
     crd = yaml.safe_load(path.read_text())
     version = api_version.split("/")[1]
     (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version and v["served"]]

@@ -77,7 +77,7 @@ def test_killed_tp_worker_restarts_its_group_and_loses_no_request(server: Server
         os.kill(rank_pid(server, "group-0", rank=1), signal.SIGKILL)
         assert wait_for(lambda: group(server, "group-0")["state"] != "ready", 10), "the death went unnoticed"
         assert group(server, "group-1")["state"] == "ready"
-        assert_recovered(server, load, "group-0", before, "engine_dead")
+        assert_recovered(server, load, "group-0", before, ("engine_dead", "worker_died"))
     for thread in streams:
         thread.join(300)
     assert len(bodies) == 4 and all(b.rstrip().endswith("data: [DONE]") for b in bodies)
