@@ -259,6 +259,16 @@ class LeaderDescription:
     info: EngineInfo | None
     generation: int = 0
     """Which (re)start of the group this leader is; survives a coordinator restart."""
+    executor: str = "ray"
+    rank_processes: list[RankProcess] = field(default_factory=list)
+    """Under the ``mp`` executor: the process serving rank 0, 1, … (Ray's ranks are actors: see the state API)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankProcess:
+    name: str
+    pid: int
+    state: str
 
 
 # --- group membership, published by the coordinator to every ingress replica -------------------
@@ -327,6 +337,9 @@ class GroupSnapshot:
     restarts: dict[str, int] = field(default_factory=dict)
     """Gang restarts so far, per reason kind."""
     last_failure: str | None = None
+    recent_details: list[tuple[int, str]] = field(default_factory=list)
+    """The last few ``detail`` values, numbered in order, so a progress display misses no step
+    that began and ended between two of its polls."""
 
 
 @dataclass(slots=True)

@@ -45,6 +45,7 @@ from flotilla.cluster.placement import HEAD_NODE_RESOURCE
 
 logger = logging.getLogger(__name__)
 MAX_EVENTS = 100
+RECENT_DETAILS = 16  # per group, in membership snapshots: enough for every start step between two progress polls
 WATCH_TIMEOUT_S = 30.0
 
 
@@ -68,6 +69,7 @@ class GroupRecord:
     last_worker_check: float = 0.0
     restarts: dict[str, int] = field(default_factory=dict)
     last_failure: str | None = None
+    recent_details: list[tuple[int, str]] = field(default_factory=list)
     task: asyncio.Task[Any] | None = None
     """The restart or start in progress, if any."""
 
@@ -373,6 +375,9 @@ class Coordinator:
     def _set_state(self, record: GroupRecord, state: GroupState, detail: str) -> None:
         if state is not record.state:
             record.since = time.time()
+        if detail != record.detail:
+            number = record.recent_details[-1][0] + 1 if record.recent_details else 1
+            record.recent_details = [*record.recent_details[-(RECENT_DETAILS - 1) :], (number, detail)]
         record.state, record.detail = state, detail
 
     def _add_event(self, event: GroupEvent) -> None:
@@ -393,6 +398,7 @@ class Coordinator:
             since=record.since,
             restarts=dict(record.restarts),
             last_failure=record.last_failure,
+            recent_details=list(record.recent_details),
         )
 
     def _snapshot(self) -> Membership:

@@ -21,7 +21,7 @@ from ray import serve
 
 from flotilla.cluster.config import ConfigError
 from flotilla.cluster.contract import EngineInfo, GroupState, Membership
-from flotilla.cluster.engine import EngineSpec, unknown_engine_args
+from flotilla.cluster.engine import EngineSpec, Executor, default_worker_threads, unknown_engine_args
 from flotilla.cluster.layout import check_capacity, check_layout
 from flotilla.cluster.local_ray import LocalCluster, LocalClusterShape
 from flotilla.cluster.model_spec import ModelSpec, UnsupportedModelError
@@ -224,7 +224,7 @@ def _engine_spec(config: ServeConfig, cluster: LocalCluster | None) -> EngineSpe
     threads = config.cpu.threads_per_worker
     if threads is None and cluster is not None:
         # Simulated nodes share this machine's cores, so divide them over every worker.
-        threads = max(1, (os.cpu_count() or 1) // (config.groups * config.slots_per_group))
+        threads = default_worker_threads(os.cpu_count() or 1, config.groups * config.slots_per_group)
     engine_args = dict(config.engine_args)
     if config.serving.reasoning_parser:
         engine_args["reasoning_parser"] = config.serving.reasoning_parser
@@ -234,10 +234,18 @@ def _engine_spec(config: ServeConfig, cluster: LocalCluster | None) -> EngineSpe
         tensor_parallel_size=config.tp,
         pipeline_parallel_size=config.pp,
         engine_args=engine_args,
+        executor=executor_for(config),
         cpu_kv_cache_memory_bytes=config.cpu.kv_cache_memory_bytes,
         cpu_threads_per_worker=threads,
         kv_events=config.routing.kv_events,
     )
+
+
+def executor_for(config: ServeConfig) -> Executor:
+    """``auto``: vLLM's own executor (mp) where a group's ranks share a node, Ray's where stages may not."""
+    if config.executor != "auto":
+        return config.executor
+    return "mp" if config.pp == 1 else "ray"
 
 
 def _start_coordinator(config: ServeConfig, cluster: LocalCluster | None) -> Any:
@@ -254,16 +262,17 @@ async def _wait_for_groups(coordinator: Any, say: Say) -> Membership:
     """Print each group's progress until all are ready; raise when one cannot start."""
     await coordinator.start.remote()
     started = last_heartbeat = time.monotonic()
-    said: dict[str, str] = {}
+    said: dict[str, int] = {}  # per group: the number of the last detail printed
     while True:
         membership: Membership = await coordinator.get_membership.remote()
         heartbeat = time.monotonic() - last_heartbeat >= HEARTBEAT_S
         for group in membership.groups:
-            if said.get(group.name) != group.detail:
-                say(f"[{group.name}] {group.detail}")
-            elif heartbeat and group.state is GroupState.STARTING:
+            unsaid = [(n, detail) for n, detail in group.recent_details if n > said.get(group.name, 0)]
+            for number, detail in unsaid:
+                say(f"[{group.name}] {detail}")
+                said[group.name] = number
+            if not unsaid and heartbeat and group.state is GroupState.STARTING:
                 say(f"[{group.name}] {group.detail} ({time.monotonic() - started:.0f} s)")
-            said[group.name] = group.detail
         if heartbeat:
             last_heartbeat = time.monotonic()
         failed = [g for g in membership.groups if g.state is GroupState.FAILED]
