@@ -57,7 +57,9 @@ class CpuEngineDefaults(_Strict):
         512 << 20, ge=1 << 20, description="KV cache per worker; vLLM's CPU default would claim most of RAM."
     )
     threads_per_worker: int | None = Field(
-        None, ge=1, description="OpenMP threads per worker; default: cores divided among the node's workers."
+        None,
+        ge=1,
+        description="OpenMP threads per worker; default: the node's cores less one per worker, divided among them.",
     )
 
 

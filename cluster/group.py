@@ -32,6 +32,7 @@ from flotilla.cluster.placement import (
     RankAssignment,
     assign_ranks,
     bundle_indices_env,
+    leader_bundle_ranks,
     plan_bundles,
 )
 
@@ -77,7 +78,8 @@ class ReplicaGroup:
 
     async def _start(self, notify: Callable[[ReplicaGroup], None]) -> None:
         tp, pp = self.spec.tensor_parallel_size, self.spec.pipeline_parallel_size
-        plan = plan_bundles(tp, pp, self.leader_cpus)
+        mp = self.spec.executor == "mp"
+        plan = plan_bundles(tp, pp, self.leader_cpus, self.spec.executor)
         self.phase = EnginePhase.PLACING
         notify(self)
         began = time.monotonic()
@@ -86,7 +88,8 @@ class ReplicaGroup:
         )
         await self.placement_group.ready()
         bundle_nodes = placement_group_table(self.placement_group)["bundles_to_node_id"]
-        self.ranks = assign_ranks([bundle_nodes[i] for i in range(len(plan.bundles))], tp, pp)
+        nodes = [bundle_nodes[i] for i in range(len(plan.bundles))]
+        self.ranks = leader_bundle_ranks(nodes[0], tp, pp) if mp else assign_ranks(nodes, tp, pp)
         self.step_durations_s["placement"] = time.monotonic() - began
 
         self.phase = EnginePhase.STARTING_ENGINE
@@ -99,6 +102,7 @@ class ReplicaGroup:
                 namespace=self.namespace,
                 lifetime="detached",
                 num_cpus=self.leader_cpus,
+                num_gpus=float(tp * pp) if mp else 0,  # mp: the leader's children use the bundle's accelerators
                 max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=LEADER_BUNDLE_INDEX

@@ -21,6 +21,7 @@ from flotilla.cluster.contract import (
     LeaderDescription,
     LeaderHealth,
     LoadReport,
+    RankProcess,
     to_wire,
 )
 from flotilla.cluster.engine import (
@@ -53,6 +54,7 @@ class GroupLeader:
         self.vllm_instance_id: str | None = None
         self._channels: dict[str, OutputChannel] = {}
         self._scheduler_stats = SchedulerStatsRecorder()
+        self._ranks_at_start: list[tuple[str, Any]] = []
 
     def describe(self) -> LeaderDescription:
         return LeaderDescription(
@@ -65,7 +67,30 @@ class GroupLeader:
             vllm_instance_id=self.vllm_instance_id,
             info=self.info,
             generation=self.generation,
+            executor=self.spec.executor,
+            rank_processes=self._rank_processes() if self.spec.executor == "mp" else [],
         )
+
+    def _rank_processes(self) -> list[RankProcess]:
+        return [RankProcess(name, process.pid, _process_state(process)) for name, process in self._rank_children()]
+
+    def _rank_children(self) -> list[tuple[str, Any]]:
+        """The ``mp`` executor's worker processes (vLLM names them ``…Worker_TP<i>…``), or, with one rank,
+        the EngineCore process that runs the model itself: found once the engine is up, then kept, so a
+        rank that died stays listed (and is found dead) instead of vanishing from the children."""
+        if self._ranks_at_start:
+            return self._ranks_at_start
+        import psutil
+
+        children = []
+        for child in psutil.Process().children(recursive=True):
+            try:
+                children.append((child.name(), " ".join(child.cmdline()), child))
+            except psutil.Error:
+                continue
+        workers = sorted((c for c in children if "Worker" in c[0] + c[1]), key=lambda c: c[0] + c[1])
+        ranks = workers or [c for c in children if "EngineCore" in c[0] + c[1]][:1]
+        return [(name, child) for name, _, child in ranks]
 
     async def start(self) -> EngineInfo:
         self.phase = EnginePhase.STARTING_ENGINE
@@ -76,6 +101,8 @@ class GroupLeader:
         except Exception as err:
             self.phase, self.error = EnginePhase.FAILED, f"{type(err).__name__}: {err}"
             raise
+        if self.spec.executor == "mp":
+            self._ranks_at_start = self._rank_children()
         self.phase = EnginePhase.READY
         return self.info
 
@@ -88,10 +115,14 @@ class GroupLeader:
 
         started = time.monotonic()
         on_cpu = running_on_flotilla_cpu()
-        apply_process_env(on_cpu)
-        # The spawned EngineCore must join this cluster, not start its own.
-        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
-        os.environ["VLLM_RAY_BUNDLE_INDICES"] = self.bundle_indices
+        node_resources = _node_resources(ray.get_runtime_context().get_node_id())
+        node_cpus, node_slots = node_resources.get("CPU", 1), node_resources.get("GPU", 1)
+        apply_process_env(self.spec, on_cpu, node_cpus, node_slots)
+        on_ray = self.spec.executor == "ray"
+        if on_ray:
+            # The spawned EngineCore must join this cluster, not start its own.
+            os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+            os.environ["VLLM_RAY_BUNDLE_INDICES"] = self.bundle_indices
 
         host = ray.util.get_node_ip_address()
         events = None
@@ -101,11 +132,11 @@ class GroupLeader:
             events = kv_events_config(host, port, replay_port)
         args = AsyncEngineArgs(**engine_kwargs(self.spec, on_cpu, events))
         vllm_config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-        vllm_config.parallel_config.placement_group = self.placement_group
-        node_resources = _node_resources(ray.get_runtime_context().get_node_id())
-        env = worker_env(self.spec, on_cpu, node_resources.get("CPU", 1), node_resources.get("GPU", 1))
-        if env:
-            vllm_config.parallel_config.ray_runtime_env = RuntimeEnv(env_vars=env)
+        if on_ray:
+            vllm_config.parallel_config.placement_group = self.placement_group
+            env = worker_env(self.spec, on_cpu, node_cpus, node_slots)
+            if env:
+                vllm_config.parallel_config.ray_runtime_env = RuntimeEnv(env_vars=env)
         self.vllm_instance_id = vllm_config.instance_id
         self.engine = AsyncLLM.from_vllm_config(
             vllm_config,
@@ -200,6 +231,15 @@ class GroupLeader:
                 await self.engine.check_health()
             except Exception as err:
                 error = f"{type(err).__name__}: {err}"
+            # vLLM's mp executor notices a dead worker only once a collective times out; the process table
+            # tells at once (under the Ray executor the coordinator asks Ray's state API instead).
+            dead = [
+                f"{name} (pid {process.pid})"
+                for name, process in self._ranks_at_start
+                if _process_state(process) == "DEAD"
+            ]
+            if error is None and dead:
+                error = f"worker process(es) dead: {', '.join(dead)}"
         return LeaderHealth(
             engine_alive=error is None,
             error=error,
@@ -268,6 +308,16 @@ class SchedulerStatsRecorder:
                 pass
 
         return _Logger(vllm_config, engine_index)
+
+
+def _process_state(process: Any) -> str:
+    """Ray's actor vocabulary for a process: ALIVE while it runs (or sleeps, or is stopped), else DEAD."""
+    import psutil
+
+    try:
+        return "DEAD" if process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) else "ALIVE"
+    except psutil.Error:
+        return "DEAD"
 
 
 def _node_resources(node_id: str) -> dict[str, float]:

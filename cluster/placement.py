@@ -1,10 +1,15 @@
 """Placement of one replica group: its placement-group bundles and the rank→bundle map.
 
-A group's placement group holds one leader bundle (CPU only; it hosts vLLM's async engine)
-followed by one single-accelerator bundle per vLLM worker rank::
+Under vLLM's Ray executor a group's placement group holds one leader bundle (CPU only; it
+hosts vLLM's async engine) followed by one single-accelerator bundle per vLLM worker rank::
 
     bundle 0        leader       {"CPU": leader_cpus}
     bundle 1..TP*PP  worker ranks {"GPU": 1}
+
+Under vLLM's multiprocessing executor (``mp``) the ranks are child processes of the leader, so
+one bundle holds the leader and every accelerator of the group, on one node::
+
+    bundle 0        leader + ranks {"CPU": leader_cpus, "GPU": TP*PP}
 
 vLLM numbers ranks ``rank = pp_rank * TP + tp_rank``. We choose which bundle each rank gets
 from where Ray actually placed the bundles, so that the TP ranks of one pipeline stage
@@ -42,10 +47,21 @@ class RankAssignment:
     node_id: str
 
 
-def plan_bundles(tp: int, pp: int, leader_cpus: float, accelerator: str = "GPU") -> BundlePlan:
+def plan_bundles(tp: int, pp: int, leader_cpus: float, executor: str = "ray", accelerator: str = "GPU") -> BundlePlan:
     """Bundles for a TP×PP group. One stage fits on one node, so PP=1 packs strictly."""
+    if executor == "mp":
+        return BundlePlan(bundles=[{"CPU": leader_cpus, accelerator: float(tp * pp)}], strategy="STRICT_PACK")
     workers = [{accelerator: 1.0} for _ in range(tp * pp)]
     return BundlePlan(bundles=[{"CPU": leader_cpus}, *workers], strategy="STRICT_PACK" if pp == 1 else "PACK")
+
+
+def leader_bundle_ranks(node_id: str, tp: int, pp: int) -> list[RankAssignment]:
+    """Under ``mp`` every rank lives in the leader's bundle, on its node."""
+    return [
+        RankAssignment(rank=p * tp + t, pp_rank=p, tp_rank=t, bundle_index=LEADER_BUNDLE_INDEX, node_id=node_id)
+        for p in range(pp)
+        for t in range(tp)
+    ]
 
 
 def assign_ranks(bundle_nodes: Sequence[str], tp: int, pp: int) -> list[RankAssignment]:

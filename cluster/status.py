@@ -34,7 +34,8 @@ class RankStatus:
     tp_rank: int
     bundle: int
     node_id: str | None
-    actor: ActorStatus | None
+    worker: ActorStatus | None
+    """The rank's worker: a Ray actor (``ray`` executor), or a child process of the leader (``mp``)."""
 
 
 @dataclass(slots=True)
@@ -131,10 +132,16 @@ def _group_status(
     nodes = bundle_nodes.get(leader_actor.placement_group_id, {}) if leader_actor else {}
     ranks = []
     for rank, bundle in enumerate(description.rank_bundles):
-        worker = None
-        if description.vllm_instance_id:
-            worker = actors.get(vllm_worker_actor_name(description.vllm_instance_id, rank, tp, pp))
-        ranks.append(RankStatus(rank, rank // tp, rank % tp, bundle, nodes.get(bundle), _actor(worker)))
+        if description.executor == "mp":
+            process = description.rank_processes[rank] if rank < len(description.rank_processes) else None
+            node = nodes.get(bundle)
+            worker = ActorStatus(process.name, process.state, node, process.pid) if process else None
+        else:
+            actor = None
+            if description.vllm_instance_id:
+                actor = actors.get(vllm_worker_actor_name(description.vllm_instance_id, rank, tp, pp))
+            worker = _actor(actor)
+        ranks.append(RankStatus(rank, rank // tp, rank % tp, bundle, nodes.get(bundle), worker))
     info = description.info
     return GroupStatus(
         name=group,
@@ -167,7 +174,7 @@ def render_table(status: ClusterStatus) -> str:
 
 
 def _group_lines(groups: list[GroupStatus]) -> list[str]:
-    header = ("GROUP", "STATE", "TP×PP", "ROLE", "BUNDLE", "NODE", "ACTOR", "PID", "ACTOR STATE")
+    header = ("GROUP", "STATE", "TP×PP", "ROLE", "BUNDLE", "NODE", "ACTOR/PROCESS", "PID", "STATE")
     rows: list[tuple[str, ...]] = []
     for g in groups:
         layout = f"{g.tensor_parallel_size}×{g.pipeline_parallel_size}"
@@ -177,7 +184,7 @@ def _group_lines(groups: list[GroupStatus]) -> list[str]:
         )
         for r in g.ranks:
             role = f"rank {r.rank} (PP{r.pp_rank} TP{r.tp_rank})"
-            rows.append(("", "", "", role, str(r.bundle), _short(r.node_id)) + _actor_cells(r.actor))
+            rows.append(("", "", "", role, str(r.bundle), _short(r.node_id)) + _actor_cells(r.worker))
     lines = format_table(header, rows)
     for g in groups:
         notes = [g.detail] if g.detail and g.state != "ready" else []

@@ -17,7 +17,7 @@ errors, never silently ignored.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -53,6 +53,15 @@ class ServeConfig(BaseModel):
         1, ge=1, description="Pipeline stages per group (may span nodes); null: the planner chooses."
     )
     plan: PlanConfig = PlanConfig()
+    executor: Literal["auto", "ray", "mp"] = Field(
+        "auto",
+        description=(
+            "How a group's vLLM engine runs its ranks. ray: one Ray worker actor per rank in the group's "
+            "bundles (any layout, stages across nodes). mp: vLLM's multiprocessing executor, ranks as child "
+            "processes of the leader, which holds the group's accelerators in one bundle (one node). auto: mp for "
+            "groups whose ranks fit one node (pipeline_parallel_size 1), ray otherwise."
+        ),
+    )
     engine_args: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra vLLM AsyncEngineArgs fields (checked against vLLM at startup).",

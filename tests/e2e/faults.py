@@ -71,7 +71,7 @@ def status(server: Server) -> list[dict[str, Any]]:
 
 def rank_pid(server: Server, name: str, rank: int) -> int:
     g = next(g for g in status(server) if g["name"] == name)
-    return int(g["ranks"][rank]["actor"]["pid"])
+    return int(g["ranks"][rank]["worker"]["pid"])
 
 
 def leader_pid(server: Server, name: str) -> int:

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 import ray
+from ray.util.placement_group import placement_group_table
 from ray.util.state import list_actors
 
 from flotilla.cluster.config import LocalClusterConfig
-from flotilla.cluster.engine import EngineSpec
+from flotilla.cluster.contract import RankProcess
+from flotilla.cluster.engine import EngineSpec, Executor
 from flotilla.cluster.group import ReplicaGroup
 from flotilla.cluster.local_ray import LocalCluster, LocalClusterShape
 from flotilla.cluster.model_spec import ModelSpec
@@ -55,6 +57,10 @@ class LayoutRun:
     outputs: list[list[int]]
     stored_keys: list[int]
     """Block keys the engine announced in BlockStored events while serving PROMPTS."""
+    rank_processes: list[RankProcess]
+    """Under the mp executor: the leader's child processes serving the ranks."""
+    bundles: dict[int, dict[str, float]]
+    """The placement group's bundles (index → resources), read while it existed."""
 
 
 @contextmanager
@@ -85,13 +91,14 @@ def engine_requests(spec: EngineSpec, max_model_len: int, block_size: int) -> li
     ]
 
 
-def run_layout(model: Path, tp: int, pp: int) -> LayoutRun:
+def run_layout(model: Path, tp: int, pp: int, executor: Executor = "ray") -> LayoutRun:
     spec = EngineSpec(
         model=str(model),
         served_model_name=model.name,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         cpu_threads_per_worker=1,
+        executor=executor,
     )
     group = ReplicaGroup(f"layout-{next(_ids)}", spec)
 
@@ -139,7 +146,11 @@ def run_layout(model: Path, tp: int, pp: int) -> LayoutRun:
             if a.class_name == "RayWorkerProc" and a.placement_group_id == pg_id
         ]
         stored = index.keys(group.name) if index.has_group(group.name) else []
-        return LayoutRun(group, pg_id, sorted(workers, key=lambda w: w.name), outputs, stored)
+        description = ray.get(group.leader.describe.remote())
+        bundles = placement_group_table(group.placement_group)["bundles"]
+        return LayoutRun(
+            group, pg_id, sorted(workers, key=lambda w: w.name), outputs, stored, description.rank_processes, bundles
+        )
     finally:
         group.stop()
 
@@ -153,6 +164,7 @@ def runs(tiny_llama: Path, tiny_mixtral: Path) -> dict[str, LayoutRun]:
     with local_cluster(nodes=1, slots_per_node=2):
         results["tp2"] = run_layout(tiny_llama, tp=2, pp=1)
         results["moe_tp2"] = run_layout(tiny_mixtral, tp=2, pp=1)
+        results["tp2_mp"] = run_layout(tiny_llama, tp=2, pp=1, executor="mp")
     return results
 
 
@@ -162,6 +174,16 @@ def test_tp2_runs_two_worker_actors_on_one_node_inside_its_placement_group(runs)
     assert len({w.node_id for w in run.workers}) == 1
     assert all(w.placement_group_id == run.placement_group_id for w in run.workers)
     assert [a.node_id for a in run.group.ranks] == [w.node_id for w in run.workers]
+
+
+def test_tp2_under_mp_runs_its_ranks_as_the_leaders_children_in_one_bundle(runs) -> None:
+    run = runs["tp2_mp"]
+    assert run.workers == []  # no Ray worker actors
+    assert [p.name for p in run.rank_processes] == ["VLLM::Worker_TP0", "VLLM::Worker_TP1"]
+    assert all(p.state == "ALIVE" and p.pid for p in run.rank_processes)
+    assert run.bundles == {0: {"CPU": 1.0, "GPU": 2.0}}
+    assert {a.bundle_index for a in run.group.ranks} == {0}
+    assert run.outputs == runs["tp1"].outputs
 
 
 def test_pp2_runs_its_stages_on_different_nodes(runs) -> None:
@@ -201,7 +223,7 @@ def test_planner_kv_capacity_is_within_10_percent_of_what_vllm_reports(runs, tin
     assert abs(estimated - reported) <= 0.10 * reported, (estimated, reported)
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "pp2", "tp2_mp"])
 def test_router_block_keys_are_the_keys_vllm_announces(runs, layout) -> None:
     """The engine's BlockStored events name exactly the blocks the router computes for the prompts."""
     run = runs[layout]

@@ -239,9 +239,9 @@ def test_status_shows_every_group_rank_bundle_and_node(server: Server) -> None:
     for group in groups:
         assert group["state"] == "ready"
         assert group["leader"]["state"] == "ALIVE"
-        (rank,) = group["ranks"]
-        assert rank["bundle"] == 1 and rank["actor"]["state"] == "ALIVE"
-        assert rank["node_id"] == rank["actor"]["node_id"]
+        (rank,) = group["ranks"]  # executor auto → mp: the rank runs in the leader's bundle, as its child process
+        assert rank["bundle"] == 0 and rank["worker"]["state"] == "ALIVE" and rank["worker"]["pid"]
+        assert rank["node_id"] == rank["worker"]["node_id"] == group["leader"]["node_id"]
 
 
 def test_ctrl_c_shuts_everything_down(server: Server, ray_driver) -> None:

@@ -42,3 +42,18 @@ def test_tp_ranks_that_would_span_nodes_are_refused() -> None:
 def test_bundle_indices_env_lists_bundles_in_rank_order() -> None:
     assignments = assign_ranks(["b", "a", "b"], 1, 2)
     assert bundle_indices_env(assignments) == "2,1"
+
+
+def test_mp_groups_hold_every_accelerator_in_the_leaders_bundle() -> None:
+    from flotilla.cluster.placement import leader_bundle_ranks
+
+    plan = plan_bundles(tp=2, pp=2, leader_cpus=1.0, executor="mp")
+    assert plan.bundles == [{"CPU": 1.0, "GPU": 4.0}] and plan.strategy == "STRICT_PACK"
+    ranks = leader_bundle_ranks("n1", tp=2, pp=2)
+    assert [(r.rank, r.pp_rank, r.tp_rank, r.bundle_index) for r in ranks] == [
+        (0, 0, 0, 0),
+        (1, 0, 1, 0),
+        (2, 1, 0, 0),
+        (3, 1, 1, 0),
+    ]
+    assert bundle_indices_env(ranks) == "0,0,0,0"

@@ -124,3 +124,18 @@ def test_a_tool_parser_that_fits_the_tokenizer_is_accepted(tmp_path, tiny_llama)
     config = ServeConfig.from_yaml(write(tmp_path, f"model: {tiny_llama}\nserving: {serving}\n"))
     validated, _, _ = validate(config)
     assert validated.serving.tool_call_parser == "llama3_json"
+
+
+@pytest.mark.parametrize(
+    ("fields", "executor"),
+    [
+        ("tensor_parallel_size: 2", "mp"),  # ranks share a node: vLLM's own executor
+        ("pipeline_parallel_size: 2", "ray"),  # stages may span nodes
+        ("executor: ray", "ray"),
+        ("executor: mp\npipeline_parallel_size: 2", "mp"),
+    ],
+)
+def test_executor_auto_takes_mp_where_a_group_is_on_one_node(tmp_path, fields: str, executor: str) -> None:
+    from flotilla.launcher import executor_for
+
+    assert executor_for(ServeConfig.from_yaml(write(tmp_path, f"model: m\n{fields}\n"))) == executor
