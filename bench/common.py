@@ -103,3 +103,11 @@ def wait_replicas_running(dashboard: str, replicas: int, process: Process, timeo
 
     if not wait_for(all_running, timeout_s, 1):
         raise RuntimeError(f"{process.name}: {replicas} replicas not running; see its log in {RESULTS}")
+
+
+def percentile(sorted_values: list[float], pct: float) -> float:
+    """Nearest-rank percentile."""
+    if not sorted_values:
+        return float("nan")
+    rank = max(1, round(pct / 100 * len(sorted_values)))
+    return sorted_values[min(rank, len(sorted_values)) - 1]

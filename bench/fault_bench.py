@@ -106,7 +106,7 @@ class Flotilla:
             timeout=120,
         ).stdout
         group = next(g for g in json.loads(out)["groups"] if g["name"] == name)
-        return int(group["leader"]["pid"]), int(group["ranks"][0]["actor"]["pid"])
+        return int(group["leader"]["pid"]), int(group["ranks"][0]["worker"]["pid"])
 
     def inject(self, fault: str, load: Load) -> FaultResult:
         # Alternate groups; the third fault is group-0's second restart (its 2 s backoff included).

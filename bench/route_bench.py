@@ -41,11 +41,11 @@ from bench.common import (
     RAY_APP,
     RESULTS,
     Process,
+    percentile,
     wait_ready,
     wait_replicas_running,
     write_docs_section,
 )
-from bench.loadgen import percentile
 from bench.workloads import hot_prefix, multi_turn, no_sharing, shared_prefix
 from devtools import REPO, wait_for
 from flotilla.router.sim_cluster import Session

@@ -19,8 +19,7 @@ import sys
 import time
 from datetime import date
 
-from bench.common import RESULTS, write_docs_section
-from bench.loadgen import percentile
+from bench.common import RESULTS, percentile, write_docs_section
 from bench.workloads import shared_prefix
 from flotilla.router.block_keys import block_keys
 from flotilla.router.policies import make_policy

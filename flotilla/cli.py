@@ -179,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     make_model.add_argument(
         "names",
         nargs="*",
-        help="models to build: tiny-llama, tiny-mixtral, smollm2-135m-instruct (default: these) and bench-llama",
+        help="models to build: tiny-llama, tiny-mixtral, smollm2-135m-instruct (default: these), bench-llama and "
+        "llama3-8b-shape (config and tokenizer only: serve with load_format dummy)",
     )
     make_model.add_argument("--out", default="models", help="parent folder (default: models)")
     make_model.set_defaults(func=cmd_make_model)

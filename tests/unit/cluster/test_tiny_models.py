@@ -53,3 +53,14 @@ def test_tokenizer_matches_vocab_and_has_a_chat_template(tiny_llama: Path) -> No
     assert text.startswith("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhello world" + EOT)
     assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
     assert tokenizer.decode(tokenizer.encode("The river 42.", add_special_tokens=False)) == "The river 42."
+
+
+def test_shape_only_model_has_real_shapes_and_no_weight_file(tmp_path) -> None:
+    """llama3-8b-shape is served with load_format dummy: a config with Llama-3-8B's shapes, a small
+    tokenizer whose ids all fall inside the embedding table, and no multi-GB weight file."""
+    assert make_model(TINY_MODELS["llama3-8b-shape"], tmp_path) is True
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (4096, 32, 128256)
+    assert not list(tmp_path.glob("*.safetensors"))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert max(tokenizer.get_vocab().values()) < config["vocab_size"]

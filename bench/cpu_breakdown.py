@@ -1,0 +1,110 @@
+"""Where a Flotilla group's CPU time goes: per process role, idle and under vLLM's `bench serve` load.
+
+Starts ``flotilla serve`` (1 group of tiny-llama, defaults), then samples every process's CPU
+time (psutil) over an idle window and over a concurrency-1 ``bench serve`` run, and reports the
+cores each role used: the group's worker and EngineCore, its leader, the ingress, HAProxy, the
+coordinator, Ray's own daemons. What runs while nothing is asked of the server is what steals
+time from a decode step on a small machine.
+
+    python -m bench.cpu_breakdown [--idle-s 20] [--prompts 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from datetime import date
+from pathlib import Path
+
+import psutil
+
+from bench.common import RESULTS, write_docs_section
+from bench.serve_overhead import EngineSettings, Flotilla, bench_serve
+from devtools import REPO
+
+ROLES = (  # (role, substring of the process's command line), first match wins
+    ("group worker", "RayWorkerProc"),  # executor: ray
+    ("group worker", "Worker_TP"),  # executor: mp with several ranks (one rank runs inside EngineCore)
+    ("EngineCore", "EngineCore"),
+    ("group leader", "GroupLeader"),
+    ("ingress", "OpenAIIngress"),
+    ("coordinator", "Coordinator"),
+    ("serve controller", "ServeController"),
+    ("HAProxy", "haproxy"),
+    ("flotilla serve", "flotilla.cli serve"),
+    ("raylet", "raylet"),
+    ("gcs", "gcs_server"),
+    ("dashboard and agents", "dashboard"),
+    ("other Ray workers", "ray::"),
+)
+
+
+def role_of(process: psutil.Process) -> str | None:
+    try:
+        command = " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return next((role for role, needle in ROLES if needle in command), None)
+
+
+def cpu_seconds() -> dict[str, float]:
+    totals: dict[str, float] = defaultdict(float)
+    for process in psutil.process_iter():
+        role = role_of(process)
+        if role is None:
+            continue
+        try:
+            times = process.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        totals[role] += times.user + times.system
+    return totals
+
+
+def window(run) -> tuple[float, dict[str, float]]:
+    before, began = cpu_seconds(), time.monotonic()
+    run()
+    after, wall = cpu_seconds(), time.monotonic() - began
+    return wall, {role: max(0.0, after[role] - before.get(role, 0.0)) for role in after}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=REPO / "models" / "tiny-llama")
+    parser.add_argument("--idle-s", type=float, default=20)
+    parser.add_argument("--prompts", type=int, default=16)
+    args = parser.parse_args()
+    args.model = args.model.resolve()
+    load_args = argparse.Namespace(input_len=512, output_len=64, seed=0)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    target = Flotilla(args.model, Path(tempfile.mkdtemp()), EngineSettings(device="cpu", dummy_weights=False))
+    target.start()
+    try:
+        bench_serve(target.url, args.model, load_args, 4, 1)  # warm-up
+        idle_wall, idle = window(lambda: time.sleep(args.idle_s))
+        busy_wall, busy = window(lambda: bench_serve(target.url, args.model, load_args, args.prompts, 1))
+    finally:
+        target.stop()
+    lines = [
+        f"Date: {date.today().isoformat()}. Command: `python -m bench.cpu_breakdown {' '.join(sys.argv[1:])}`. "
+        f"`flotilla serve`, 1 group of `{args.model.name}`, every default; idle window {args.idle_s:.0f} s, then "
+        f"{args.prompts} requests (512 in / 64 out tokens) at concurrency 1 from vLLM's `bench serve`.",
+        "",
+        "| process role | cores used, idle | cores used, concurrency-1 load |",
+        "|---|---|---|",
+    ]
+    for role in dict.fromkeys(role for role, _ in ROLES):
+        if role in idle or role in busy:
+            lines.append(f"| {role} | {idle.get(role, 0) / idle_wall:.3f} | {busy.get(role, 0) / busy_wall:.3f} |")
+    lines.append(f"| **all** | {sum(idle.values()) / idle_wall:.3f} | {sum(busy.values()) / busy_wall:.3f} |")
+    report = "\n".join(lines)
+    (RESULTS / "cpu_breakdown.md").write_text(report + "\n")
+    write_docs_section("cpu_breakdown", report, "Where a group's CPU time goes")
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
