@@ -133,6 +133,21 @@ def worker_env(spec: EngineSpec, on_cpu: bool, node_cpus: float, node_slots: flo
     return CPU_ENGINE_ENV | {"OMP_NUM_THREADS": str(threads)}
 
 
+def run_at_normal_priority() -> bool:
+    """Undo Ray's worker niceness (15) for this process and the engine processes it spawns.
+
+    Ray starts every worker at nice 15 so that its own daemons win; an engine that yields to every
+    other process on its node stalls its decode steps whenever anything else runs (on this 2-core
+    machine, vLLM's benchmark client beside it). Lowering niceness needs CAP_SYS_NICE (root in most
+    containers); without it the engine keeps Ray's default. Returns whether it runs at nice 0.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except PermissionError:
+        return False
+    return True
+
+
 def apply_process_env(spec: EngineSpec, on_cpu: bool, node_cpus: float, node_slots: float) -> None:
     """Environment for the leader process and the EngineCore (and, under ``mp``, worker) processes it spawns."""
     if not on_cpu:

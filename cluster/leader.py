@@ -29,6 +29,7 @@ from flotilla.cluster.engine import (
     apply_process_env,
     engine_kwargs,
     kv_events_config,
+    run_at_normal_priority,
     running_on_flotilla_cpu,
     worker_env,
 )
@@ -114,6 +115,7 @@ class GroupLeader:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         started = time.monotonic()
+        run_at_normal_priority()  # on a cluster Flotilla did not start, Ray's workers run at nice 15
         on_cpu = running_on_flotilla_cpu()
         node_resources = _node_resources(ray.get_runtime_context().get_node_id())
         node_cpus, node_slots = node_resources.get("CPU", 1), node_resources.get("GPU", 1)

@@ -39,6 +39,11 @@ class LocalClusterShape:
         return self.nodes * self.slots_per_node
 
 
+# Ray starts its workers at nice 15; the group's engine workers, leaders and ingress replicas are the
+# serving path and run at normal priority (see cluster.engine.run_at_normal_priority).
+WORKER_PRIORITY = {"worker_niceness": 0}
+
+
 class LocalCluster:
     """A running local cluster; ``shutdown`` stops every process it started."""
 
@@ -54,6 +59,7 @@ class LocalCluster:
             ray.init(
                 address="local",  # always a new cluster, never one found in /tmp/ray
                 **node_args,
+                _system_config=WORKER_PRIORITY,
                 namespace=namespace,
                 include_dashboard=True,
                 dashboard_host="127.0.0.1",
@@ -66,7 +72,8 @@ class LocalCluster:
             self._multi_node = Cluster(
                 initialize_head=True,
                 head_node_args=node_args
-                | {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": free_port()},
+                | {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": free_port()}
+                | {"_system_config": WORKER_PRIORITY},
             )
             try:
                 for _ in range(shape.nodes - 1):

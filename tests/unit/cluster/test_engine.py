@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from flotilla.cluster.engine import default_worker_threads
@@ -13,3 +17,17 @@ from flotilla.cluster.engine import default_worker_threads
 )
 def test_cpu_workers_leave_a_core_each_to_their_engine_loop(cpus: int, workers: int, threads: int) -> None:
     assert default_worker_threads(cpus, workers) == threads
+
+
+def test_engine_processes_leave_rays_worker_niceness_when_allowed() -> None:
+    """In a child process started at nice 5, as Ray starts its workers at 15 (this one stays as it is)."""
+    script = (
+        "import os; from flotilla.cluster.engine import run_at_normal_priority; os.nice(5); "
+        "print(run_at_normal_priority(), os.getpriority(os.PRIO_PROCESS, 0))"
+    )
+    lowered, priority = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert int(priority) == (0 if lowered == "True" else 5)
+    if os.geteuid() == 0:
+        assert lowered == "True"
