@@ -19,3 +19,15 @@ class CpuRayPlatform(CpuPlatform):
 
     ray_device_key: str = "GPU"
     ray_noset_device_env_vars: list[str] = ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"]
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        """vLLM's CPU communicator plus the variable-size collectives of wide-EP (``vllm_cpu_ep``).
+
+        Every worker builds its communicators before it loads the model, so this is also where the
+        CPU fused-MoE experts learn to honour ``expert_map``.
+        """
+        from flotilla.cluster.vllm_cpu_ep import patch_cpu_experts
+
+        patch_cpu_experts()
+        return "flotilla.cluster.vllm_cpu_ep.EpCpuCommunicator"
