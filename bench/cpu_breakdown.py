@@ -27,7 +27,7 @@ from devtools import REPO
 
 ROLES = (  # (role, substring of the process's command line), first match wins
     ("group worker", "RayWorkerProc"),  # executor: ray
-    ("group worker", "Worker_TP"),  # executor: mp with several ranks (one rank runs inside EngineCore)
+    ("group worker", "VLLM::Worker"),  # executor: mp (on CPU vLLM runs even one rank in its own process)
     ("EngineCore", "EngineCore"),
     ("group leader", "GroupLeader"),
     ("ingress", "OpenAIIngress"),
