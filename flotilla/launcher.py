@@ -29,6 +29,7 @@ from flotilla.cluster.placement import HEAD_NODE_RESOURCE
 from flotilla.cluster.planner import GIB, ClusterSpec, LinkKind, Workload, choose_for_groups
 from flotilla.cluster.ports import free_port
 from flotilla.config import ServeConfig
+from flotilla.haproxy_guard import guard_haproxy
 
 SERVE_APP_NAME = "flotilla"
 HEARTBEAT_S = 10.0
@@ -197,6 +198,7 @@ def _start_ray(config: ServeConfig, say: Say, verbose: bool) -> LocalCluster | N
         # Flotilla on this machine would fail to start. Free ports, unless the operator chose.
         for name in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):
             os.environ[name] = os.environ.get(name) or str(free_port())
+        guard_haproxy()  # a killed `flotilla serve` leaves no HAProxy holding its port
     if config.cluster.address is not None:
         ray.init(address=config.cluster.address, namespace=config.cluster.namespace, log_to_driver=verbose)
         say(f"joined Ray cluster at {config.cluster.address}")

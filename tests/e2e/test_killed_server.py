@@ -1,0 +1,54 @@
+"""A ``flotilla serve`` killed with SIGKILL leaves nothing behind: every process it started ends
+(HAProxy included, though it is only the child of a Ray actor), and its port is free for the next
+server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+import psutil
+import pytest
+
+from devtools import wait_for
+from tests.e2e.server import flotilla_serve
+
+pytestmark = pytest.mark.e2e
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_killed_server_leaves_no_process_and_frees_its_port(models_dir: Path, tmp_path: Path) -> None:
+    config = tmp_path / "one-group.yaml"
+    config.write_text(f"model: {models_dir / 'tiny-llama'}\nserved_model_name: tiny-llama\ngroups: 1\n")
+    with flotilla_serve(str(config)) as server:
+        body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+        started = psutil.Process(server.process.pid).children(recursive=True)
+        assert any(p.name() == "haproxy" for p in started), "the default front proxy is not among its processes"
+        port = urlparse(server.url).port
+        assert port is not None
+        os.kill(server.process.pid, signal.SIGKILL)
+        assert wait_for(lambda: port_free(port), 60), "the serving port is still held"
+        # Ray's node agents notice their raylet is gone on their own schedule (seen: 1-2 minutes).
+        assert wait_for(lambda: not any(alive(p) for p in started), 240), [
+            f"{p.pid} {p.name()}" for p in started if alive(p)
+        ]
