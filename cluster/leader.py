@@ -77,10 +77,7 @@ class GroupLeader:
 
     def _rank_children(self) -> list[tuple[str, Any]]:
         """The ``mp`` executor's worker processes (vLLM names them ``…Worker_TP<i>…``), or, with one rank,
-        the EngineCore process that runs the model itself: found once the engine is up, then kept, so a
-        rank that died stays listed (and is found dead) instead of vanishing from the children."""
-        if self._ranks_at_start:
-            return self._ranks_at_start
+        the EngineCore process that runs the model itself."""
         import psutil
 
         children = []
@@ -103,7 +100,7 @@ class GroupLeader:
             self.phase, self.error = EnginePhase.FAILED, f"{type(err).__name__}: {err}"
             raise
         if self.spec.executor == "mp":
-            self._ranks_at_start = self._rank_children()
+            self._ranks_at_start = self._rank_children()  # kept: a rank that dies leaves the children
         self.phase = EnginePhase.READY
         return self.info
 

@@ -351,7 +351,8 @@ def restarted(loaded: Prometheus, server: Server) -> list[dict[str, Any]]:
     Returns the restart alert's expression (threshold lowered to > 0) once it names a group.
     The requests that were on group-1 saw no token, so the ingress retries them on group-0.
     """
-    body = {"model": MODEL, "prompt": "the survey of rivers", "max_tokens": 120, "ignore_eos": True}
+    # Long enough to be running when the kill lands (the killer connects to Ray first: seconds).
+    body = {"model": MODEL, "prompt": "the survey of rivers", "max_tokens": 600, "ignore_eos": True}
     with ThreadPoolExecutor(max_workers=4) as pool:
         replies = [
             pool.submit(httpx.post, f"{server.url}/v1/completions", json=body | {"prompt": f"{i} rivers"}, timeout=300)
