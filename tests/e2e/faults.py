@@ -78,9 +78,8 @@ def rank_pid(server: Server, name: str, rank: int) -> int:
     if worker is not None:
         return int(worker["pid"])
     print(f"flotilla status lists no worker for {name} rank {rank}: {g}")
-    ranks = [
-        p for p in psutil.Process(int(g["leader"]["pid"])).children(recursive=True) if f"Worker_TP{rank}" in p.name()
-    ]
+    children = psutil.Process(int(g["leader"]["pid"])).children(recursive=True)
+    ranks = [p for p in children if f"Worker_TP{rank}" in " ".join(p.cmdline())]  # name() is cut at 15 characters
     assert len(ranks) == 1, f"{name} rank {rank}: no single worker process among the leader's children"
     return int(ranks[0].pid)
 
