@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 CPU_ENGINE_ENV = {
@@ -141,8 +142,13 @@ def run_at_normal_priority() -> bool:
     machine, vLLM's benchmark client beside it). Lowering niceness needs CAP_SYS_NICE (root in most
     containers); without it the engine keeps Ray's default. Returns whether it runs at nice 0.
     """
+    # On Linux a nice value belongs to a thread: reset every thread the process has so far (threads
+    # and processes started later inherit it), not only the calling one.
+    tasks = Path("/proc/self/task")
+    threads = [int(tid) for tid in os.listdir(tasks)] if tasks.is_dir() else [0]
     try:
-        os.setpriority(os.PRIO_PROCESS, 0, 0)
+        for thread in threads:
+            os.setpriority(os.PRIO_PROCESS, thread, 0)
     except PermissionError:
         return False
     return True

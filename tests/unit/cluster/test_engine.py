@@ -20,14 +20,17 @@ def test_cpu_workers_leave_a_core_each_to_their_engine_loop(cpus: int, workers: 
 
 
 def test_engine_processes_leave_rays_worker_niceness_when_allowed() -> None:
-    """In a child process started at nice 5, as Ray starts its workers at 15 (this one stays as it is)."""
+    """In a child process at nice 5 with a second thread, as Ray starts workers at 15 (this one stays as it is)."""
     script = (
-        "import os; from flotilla.cluster.engine import run_at_normal_priority; os.nice(5); "
-        "print(run_at_normal_priority(), os.getpriority(os.PRIO_PROCESS, 0))"
+        "import os, threading; from flotilla.cluster.engine import run_at_normal_priority; os.nice(5); "
+        "done = threading.Event(); other = threading.Thread(target=done.wait); other.start(); "
+        "lowered = run_at_normal_priority(); "
+        "print(lowered, os.getpriority(os.PRIO_PROCESS, 0), os.getpriority(os.PRIO_PROCESS, other.native_id)); "
+        "done.set()"
     )
-    lowered, priority = subprocess.run(
+    lowered, priority, other_thread = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True
     ).stdout.split()
-    assert int(priority) == (0 if lowered == "True" else 5)
+    assert int(priority) == int(other_thread) == (0 if lowered == "True" else 5)  # every thread, not the caller's
     if os.geteuid() == 0:
         assert lowered == "True"
