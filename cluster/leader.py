@@ -73,22 +73,30 @@ class GroupLeader:
         )
 
     def _rank_processes(self) -> list[RankProcess]:
-        return [RankProcess(name, process.pid, _process_state(process)) for name, process in self._rank_children()]
+        ranks = self._rank_children() or self._ranks_at_start  # a rank that died may be gone from the table
+        return [RankProcess(name, process.pid, _process_state(process)) for name, process in ranks]
 
     def _rank_children(self) -> list[tuple[str, Any]]:
-        """The ``mp`` executor's worker processes (vLLM names them ``…Worker_TP<i>…``), or, with one rank,
-        the EngineCore process that runs the model itself."""
+        """The ``mp`` executor's worker processes (vLLM titles them ``VLLM::Worker_TP<i>``), or, with one
+        rank, the EngineCore process that runs the model itself.
+
+        EngineCore comes from the engine's own process handle, not from a scan of process titles: a
+        title can be unreadable or not yet set, and the status must still show the rank.
+        """
         import psutil
 
-        children = []
-        for child in psutil.Process().children(recursive=True):
+        cores = []
+        for pid in _engine_core_pids(self.engine):
             try:
-                children.append((child.name(), " ".join(child.cmdline()), child))
+                cores.append(psutil.Process(pid))
             except psutil.Error:
                 continue
-        workers = sorted((c for c in children if "Worker" in c[0] + c[1]), key=lambda c: c[0] + c[1])
-        ranks = workers or [c for c in children if "EngineCore" in c[0] + c[1]][:1]
-        return [(name, child) for name, _, child in ranks]
+        if not cores:  # an engine built some other way: look among this actor's children
+            cores = [c for c in _children(psutil.Process()) if "EngineCore" in _title(c)][:1]
+        if self.spec.world_size == 1:
+            return [(_title(core) or "VLLM::EngineCore", core) for core in cores[:1]]
+        workers = [c for core in cores for c in _children(core) if "Worker" in _title(c)]
+        return sorted(((_title(w), w) for w in workers), key=lambda named: named[0])
 
     async def start(self) -> EngineInfo:
         self.phase = EnginePhase.STARTING_ENGINE
@@ -307,6 +315,32 @@ class SchedulerStatsRecorder:
                 pass
 
         return _Logger(vllm_config, engine_index)
+
+
+def _engine_core_pids(engine: Any) -> list[int]:
+    """PIDs of the EngineCore process(es) an ``AsyncLLM`` started (vLLM keeps their handles)."""
+    core_client = getattr(engine, "engine_core", None)
+    manager = getattr(getattr(core_client, "resources", None), "engine_manager", None)
+    return [process.pid for process in getattr(manager, "processes", None) or [] if process.pid]
+
+
+def _children(process: Any) -> list[Any]:
+    import psutil
+
+    try:
+        return list(process.children(recursive=True))
+    except psutil.Error:
+        return []
+
+
+def _title(process: Any) -> str:
+    """The process title (vLLM sets it with setproctitle); ``name()`` alone is cut at 15 characters."""
+    import psutil
+
+    try:
+        return " ".join(part for part in process.cmdline() if part) or process.name()
+    except psutil.Error:
+        return ""
 
 
 def _process_state(process: Any) -> str:
