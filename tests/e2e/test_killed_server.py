@@ -21,12 +21,20 @@ pytestmark = pytest.mark.e2e
 
 
 def port_free(port: int) -> bool:
+    """Free for a new server: no listener on it. Servers bind with SO_REUSEADDR (HAProxy, uvicorn), so
+    connections of the killed one lingering in TIME_WAIT (up to 60 s) do not block them, nor this probe."""
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:
             return False
     return True
+
+
+def holders(port: int) -> str:
+    sockets = [c for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port]
+    return "the serving port is still held: " + "; ".join(f"{c.status} pid {c.pid}" for c in sockets)
 
 
 def alive(process: psutil.Process) -> bool:
@@ -47,7 +55,7 @@ def test_a_killed_server_leaves_no_process_and_frees_its_port(models_dir: Path, 
         port = urlparse(server.url).port
         assert port is not None
         os.kill(server.process.pid, signal.SIGKILL)
-        assert wait_for(lambda: port_free(port), 60), "the serving port is still held"
+        assert wait_for(lambda: port_free(port), 60), holders(port)
         # Ray's node agents notice their raylet is gone on their own schedule (seen: 1-2 minutes).
         assert wait_for(lambda: not any(alive(p) for p in started), 240), [
             f"{p.pid} {p.name()}" for p in started if alive(p)
