@@ -340,6 +340,9 @@ class GroupSnapshot:
     recent_details: list[tuple[int, str]] = field(default_factory=list)
     """The last few ``detail`` values, numbered in order, so a progress display misses no step
     that began and ended between two of its polls."""
+    gang: str = ""
+    """The replica group this engine belongs to and is restarted with: its own name, or, for a DP rank
+    of a wide-EP group, the group's (every rank shares state, generation, detail and restarts)."""
 
 
 @dataclass(slots=True)

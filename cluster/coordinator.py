@@ -39,7 +39,7 @@ from flotilla.cluster.contract import (
 )
 from flotilla.cluster.engine import EngineSpec
 from flotilla.cluster.eplb.ep_group import EP_GROUP_NAME, EpGroup, EpGroupConfig, ep_group_actor_options
-from flotilla.cluster.group import ReplicaGroup
+from flotilla.cluster.group import ReplicaGroup, member_names
 from flotilla.cluster.lifecycle import RecoveryConfig, RestartBudget
 from flotilla.cluster.placement import HEAD_NODE_RESOURCE
 
@@ -179,7 +179,8 @@ class Coordinator:
         """An ingress saw a request fail with an engine or actor error: check that group now."""
         await self.start()
         record = self._record(group)
-        if record.state is not GroupState.READY or (instance_id and instance_id != record.runtime.instance_id):
+        current = {member.instance_id for member in record.runtime.members}
+        if record.state is not GroupState.READY or (instance_id and instance_id not in current):
             return  # already handled, or about an engine that is gone
         failure = await self._probe(record, time.time())
         if failure is not None:
@@ -193,7 +194,7 @@ class Coordinator:
             raise ValueError(f"group {group} is {record.state.value}; only a ready group can be drained")
         self._set_state(record, GroupState.DRAINING, "drained by an operator: no new requests")
         await self._publish()
-        return self._group_snapshot(record)
+        return self._member_snapshot(record, group)
 
     async def resume(self, group: str) -> GroupSnapshot:
         await self.start()
@@ -202,7 +203,7 @@ class Coordinator:
             raise ValueError(f"group {group} is {record.state.value}; only a draining group can be resumed")
         self._set_state(record, GroupState.READY, "resumed by an operator")
         await self._publish()
-        return self._group_snapshot(record)
+        return self._member_snapshot(record, group)
 
     async def restart(self, group: str) -> GroupSnapshot:
         """Operator restart: out of routing now, in-flight requests finish (up to drain_timeout_s), then recreate."""
@@ -213,7 +214,7 @@ class Coordinator:
         record.budget.failures.clear()  # an operator's restart also gives a failed group a fresh budget
         self._begin_restart(record, Failure(FailureKind.OPERATOR, "restarted by an operator"), drain=True)
         await self._publish()
-        return self._group_snapshot(record)
+        return self._member_snapshot(record, group)
 
     # --- expert parallelism ----------------------------------------------------------------------------
     async def _drive_eplb(self, config: EpGroupConfig) -> None:
@@ -254,7 +255,22 @@ class Coordinator:
         await self._publish()
 
     async def _probe(self, record: GroupRecord, now: float) -> Failure | None:
-        leader = record.runtime.leader
+        """One group's health: every engine of it (every DP rank of a wide-EP group), then its workers."""
+        members = record.runtime.members
+        failures = await asyncio.gather(*(self._probe_leader(member.leader) for member in members))
+        for member, failure in zip(members, failures, strict=True):
+            if failure is not None:
+                prefix = f"{member.name}: " if len(members) > 1 else ""
+                return Failure(failure.kind, prefix + failure.reason)
+        if now - record.last_worker_check >= self.recovery.worker_check_period_s:
+            dead = await asyncio.to_thread(_dead_workers, record.runtime.placement_group)
+            record.last_worker_check = now
+            if dead:
+                return Failure(FailureKind.WORKER_DIED, f"worker actor(s) dead: {', '.join(dead)}")
+        record.last_healthy_at = now
+        return None
+
+    async def _probe_leader(self, leader: Any) -> Failure | None:
         if leader is None:
             return Failure(FailureKind.LEADER_DIED, "the group has no leader")
         try:
@@ -273,12 +289,6 @@ class Coordinator:
                 f"no engine progress for {health.seconds_since_progress:.1f} s with "
                 f"{health.unfinished_requests} unfinished request(s)",
             )
-        if now - record.last_worker_check >= self.recovery.worker_check_period_s:
-            dead = await asyncio.to_thread(_dead_workers, record.runtime.placement_group)
-            record.last_worker_check = now
-            if dead:
-                return Failure(FailureKind.WORKER_DIED, f"worker actor(s) dead: {', '.join(dead)}")
-        record.last_healthy_at = now
         return None
 
     def _begin_restart(self, record: GroupRecord, failure: Failure, drain: bool = False) -> None:
@@ -355,22 +365,28 @@ class Coordinator:
         return True
 
     async def _wait_idle(self, record: GroupRecord) -> None:
-        leader = record.runtime.leader
         deadline = time.monotonic() + self.recovery.drain_timeout_s
-        while leader is not None and time.monotonic() < deadline:
-            try:
-                if await asyncio.wait_for(leader.num_unfinished_requests.remote(), self.recovery.health_timeout_s) == 0:
-                    return
-            except Exception:
-                return
-            await asyncio.sleep(self.recovery.health_period_s)
+        for member in record.runtime.members:
+            while member.leader is not None and time.monotonic() < deadline:
+                try:
+                    unfinished = await asyncio.wait_for(
+                        member.leader.num_unfinished_requests.remote(), self.recovery.health_timeout_s
+                    )
+                except Exception:
+                    break
+                if unfinished == 0:
+                    break
+                await asyncio.sleep(self.recovery.health_period_s)
 
     # --- snapshots --------------------------------------------------------------------------------------
     def _record(self, group: str) -> GroupRecord:
-        try:
-            return self.records[group]
-        except KeyError:
-            raise UnknownGroup(f"no group named {group!r}; groups: {sorted(self.records)}") from None
+        """The group named ``group``, or the wide-EP group one of whose DP ranks it names."""
+        record = self.records.get(group)
+        if record is None:
+            record = next((r for r in self.records.values() if group in member_names_of(r)), None)
+        if record is None:
+            raise UnknownGroup(f"no group named {group!r}; groups: {sorted(self.records)}")
+        return record
 
     def _set_state(self, record: GroupRecord, state: GroupState, detail: str) -> None:
         if state is not record.state:
@@ -384,29 +400,37 @@ class Coordinator:
         self.events.append(event)
         del self.events[:-MAX_EVENTS]
 
-    def _group_snapshot(self, record: GroupRecord) -> GroupSnapshot:
-        runtime = record.runtime
+    def _group_snapshots(self, record: GroupRecord) -> list[GroupSnapshot]:
+        """One snapshot per routable engine: the group, or each DP rank of a wide-EP group (all in one state)."""
         ready = record.state in (GroupState.READY, GroupState.DRAINING)
-        return GroupSnapshot(
-            name=record.name,
-            state=record.state,
-            generation=record.generation,
-            leader=runtime.leader if ready else None,
-            info=runtime.info if ready else None,
-            instance_id=runtime.instance_id if ready else None,
-            detail=record.detail,
-            since=record.since,
-            restarts=dict(record.restarts),
-            last_failure=record.last_failure,
-            recent_details=list(record.recent_details),
-        )
+        return [
+            GroupSnapshot(
+                name=member.name,
+                state=record.state,
+                generation=record.generation,
+                leader=member.leader if ready else None,
+                info=member.info if ready else None,
+                instance_id=member.instance_id if ready else None,
+                detail=record.detail,
+                since=record.since,
+                restarts=dict(record.restarts),
+                last_failure=record.last_failure,
+                recent_details=list(record.recent_details),
+                gang=record.name,
+            )
+            for member in record.runtime.members
+        ]
+
+    def _member_snapshot(self, record: GroupRecord, name: str) -> GroupSnapshot:
+        snapshots = self._group_snapshots(record)
+        return next((s for s in snapshots if s.name == name), snapshots[0])
 
     def _snapshot(self) -> Membership:
         previous = getattr(self, "membership", None)
         return Membership(
             version=self.version,
             coordinator_started_at=self.started_at,
-            groups=[self._group_snapshot(r) for r in self.records.values()],
+            groups=[snapshot for r in self.records.values() for snapshot in self._group_snapshots(r)],
             detection=previous.detection if previous else DurationHistogram(),
             recovery=previous.recovery if previous else DurationHistogram(),
             events=list(self.events),
@@ -422,6 +446,10 @@ class Coordinator:
         self.membership = snapshot
         async with self._changed:
             self._changed.notify_all()
+
+
+def member_names_of(record: GroupRecord) -> list[str]:
+    return member_names(record.name, record.spec.data_parallel_size)
 
 
 def _same(a: Membership, b: Membership) -> bool:

@@ -42,10 +42,22 @@ class EngineSpec:
     """``ray``: one Ray worker actor per rank, in the group's bundles (any layout, across nodes).
     ``mp``: vLLM's own multiprocessing executor, ranks as child processes of the leader, which holds
     the group's accelerators in one bundle (groups on one node)."""
+    data_parallel_size: int = 1
+    """DP ranks of a wide-EP group: one engine (and leader) per rank, the MoE experts sharded over every
+    rank of every engine (vLLM's DP with an external load balancer, ``enable_expert_parallel``)."""
+    data_parallel_rank: int = 0
+    data_parallel_address: str | None = None
+    """Where rank 0's engine listens for the other ranks (its node's IP); set when the group starts."""
+    data_parallel_rpc_port: int | None = None
 
     @property
     def world_size(self) -> int:
+        """Ranks of one engine (one DP rank)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def wide_ep(self) -> bool:
+        return self.data_parallel_size > 1
 
 
 def unknown_engine_args(engine_args: dict[str, Any]) -> list[str]:
@@ -86,6 +98,15 @@ def engine_kwargs(spec: EngineSpec, on_cpu: bool, kv_events: dict[str, Any] | No
     defaults: dict[str, Any] = {"enable_prefix_caching": True, "disable_log_stats": False}
     if kv_events is not None:
         defaults["kv_events_config"] = kv_events
+    fixed = {}
+    if spec.wide_ep:
+        defaults["enable_expert_parallel"] = True
+        fixed = {
+            "data_parallel_size": spec.data_parallel_size,
+            "data_parallel_rank": spec.data_parallel_rank,
+            "data_parallel_address": spec.data_parallel_address,
+            "data_parallel_rpc_port": spec.data_parallel_rpc_port,
+        }
     if on_cpu:
         defaults |= {
             "dtype": "float32",
@@ -103,6 +124,7 @@ def engine_kwargs(spec: EngineSpec, on_cpu: bool, kv_events: dict[str, Any] | No
             "pipeline_parallel_size": spec.pipeline_parallel_size,
             "distributed_executor_backend": vllm_executor_backend(spec),
         }
+        | fixed
     )
 
 

@@ -1,7 +1,8 @@
-"""One replica group's Ray resources: its placement group, its leader actor, and their teardown.
+"""One replica group's Ray resources: its placement group, its leader actor(s), and their teardown.
 
 One group = one placement group + one leader actor + the vLLM worker actors that the
-leader's engine creates inside that placement group. ``ReplicaGroup.start`` walks
+leader's engine creates inside that placement group. A wide-EP group has one leader (one
+engine, one routable member) per DP rank, all in the group's one placement group. ``ReplicaGroup.start`` walks
 placement → engine start (workers, weights, KV cache) → ready and reports each step;
 ``teardown`` removes all of it at once (the gang). Both are detached from their creator, so
 a coordinator that dies and comes back finds its groups still serving (``adopt``).
@@ -10,6 +11,7 @@ a coordinator that dies and comes back finds its groups still serving (``adopt``
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +49,27 @@ def placement_group_name(group_name: str) -> str:
     return f"flotilla-pg-{group_name}"
 
 
+def member_names(group_name: str, data_parallel_size: int) -> list[str]:
+    """The routable engines of a group: the group itself, or ``<group>-dp<r>`` per DP rank of a wide-EP group."""
+    if data_parallel_size == 1:
+        return [group_name]
+    return [f"{group_name}-dp{rank}" for rank in range(data_parallel_size)]
+
+
+@dataclass
+class Member:
+    """One engine of a group and its leader: what routing sees as one target with its own KV cache."""
+
+    name: str
+    data_parallel_rank: int = 0
+    leader: Any = None
+    info: EngineInfo | None = None
+
+    @property
+    def instance_id(self) -> str | None:
+        return self.info.vllm_instance_id if self.info else None
+
+
 @dataclass
 class ReplicaGroup:
     name: str
@@ -61,7 +84,16 @@ class ReplicaGroup:
     error: str | None = None
     step_durations_s: dict[str, float] = field(default_factory=dict)
     placement_group: Any = None
-    leader: Any = None
+    members: list[Member] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        names = member_names(self.name, self.spec.data_parallel_size)
+        self.members = [Member(name, rank) for rank, name in enumerate(names)]
+
+    @property
+    def leader(self) -> Any:
+        """DP rank 0's leader (the only one outside wide EP)."""
+        return self.members[0].leader
 
     async def start(self, timeout_s: float, on_progress: Callable[[ReplicaGroup], None] | None = None) -> None:
         """Place, start and wait for the engine; raises on failure or timeout (``error`` says why)."""
@@ -77,9 +109,9 @@ class ReplicaGroup:
             raise
 
     async def _start(self, notify: Callable[[ReplicaGroup], None]) -> None:
-        tp, pp = self.spec.tensor_parallel_size, self.spec.pipeline_parallel_size
+        tp, pp, dp = self.spec.tensor_parallel_size, self.spec.pipeline_parallel_size, self.spec.data_parallel_size
         mp = self.spec.executor == "mp"
-        plan = plan_bundles(tp, pp, self.leader_cpus, self.spec.executor)
+        plan = plan_bundles(tp, pp, self.leader_cpus, self.spec.executor, data_parallel_size=dp)
         self.phase = EnginePhase.PLACING
         notify(self)
         began = time.monotonic()
@@ -89,28 +121,40 @@ class ReplicaGroup:
         await self.placement_group.ready()
         bundle_nodes = placement_group_table(self.placement_group)["bundles_to_node_id"]
         nodes = [bundle_nodes[i] for i in range(len(plan.bundles))]
-        self.ranks = leader_bundle_ranks(nodes[0], tp, pp) if mp else assign_ranks(nodes, tp, pp)
+        if not mp:
+            self.ranks = assign_ranks(nodes, tp, pp)
+        else:  # DP rank r (one engine, all its ranks) in bundle r
+            self.ranks = [a for r in range(dp) for a in leader_bundle_ranks(nodes[r], tp, pp, bundle_index=r)]
         self.step_durations_s["placement"] = time.monotonic() - began
 
         self.phase = EnginePhase.STARTING_ENGINE
         notify(self)
         began = time.monotonic()
-        self.leader = (
-            ray.remote(GroupLeader)
-            .options(
-                name=leader_actor_name(self.name),
-                namespace=self.namespace,
-                lifetime="detached",
-                num_cpus=self.leader_cpus,
-                num_gpus=float(tp * pp) if mp else 0,  # mp: the leader's children use the bundle's accelerators
-                max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=LEADER_BUNDLE_INDEX
-                ),
+        for member in self.members:
+            bundle = member.data_parallel_rank if mp else LEADER_BUNDLE_INDEX
+            ranks = [a for a in self.ranks if a.bundle_index == bundle] if mp else self.ranks
+            spec = dataclasses.replace(self.spec, data_parallel_rank=member.data_parallel_rank)
+            member.leader = (
+                ray.remote(GroupLeader)
+                .options(
+                    name=leader_actor_name(member.name),
+                    namespace=self.namespace,
+                    lifetime="detached",
+                    num_cpus=self.leader_cpus,
+                    num_gpus=float(tp * pp) if mp else 0,  # mp: the leader's children use the bundle's accelerators
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.placement_group, placement_group_bundle_index=bundle
+                    ),
+                )
+                .remote(member.name, spec, self.placement_group, bundle_indices_env(ranks), self.generation)
             )
-            .remote(self.name, self.spec, self.placement_group, bundle_indices_env(self.ranks), self.generation)
-        )
-        self.info = await self.leader.start.remote()
+        # Wide EP: rank 0's engine listens for the others at an address on its node.
+        master = await self.members[0].leader.data_parallel_master.remote() if self.spec.wide_ep else None
+        infos = await asyncio.gather(*(member.leader.start.remote(master) for member in self.members))
+        for member, info in zip(self.members, infos, strict=True):
+            member.info = info
+        self.info = infos[0]
         self.instance_id = self.info.vllm_instance_id
         self.step_durations_s["engine"] = time.monotonic() - began
         self.phase = EnginePhase.READY
@@ -119,36 +163,43 @@ class ReplicaGroup:
     async def adopt(self) -> bool:
         """Take over a ready group left by a previous owner (a coordinator that restarted)."""
         try:
-            leader = ray.get_actor(leader_actor_name(self.name), namespace=self.namespace)
-            description: LeaderDescription = await asyncio.wait_for(leader.describe.remote(), ADOPT_TIMEOUT_S)
+            leaders = [ray.get_actor(leader_actor_name(m.name), namespace=self.namespace) for m in self.members]
+            descriptions: list[LeaderDescription] = await asyncio.wait_for(
+                asyncio.gather(*(leader.describe.remote() for leader in leaders)), ADOPT_TIMEOUT_S
+            )
         except Exception:
             return False
-        self.generation = description.generation  # kept even when not adopted: the next start is newer
-        if description.phase is not EnginePhase.READY or description.info is None:
+        self.generation = descriptions[0].generation  # kept even when not adopted: the next start is newer
+        if any(d.phase is not EnginePhase.READY or d.info is None for d in descriptions):
             return False
-        self.leader, self.info, self.instance_id = leader, description.info, description.vllm_instance_id
+        for member, leader, description in zip(self.members, leaders, descriptions, strict=True):
+            member.leader, member.info = leader, description.info
+        self.info, self.instance_id = descriptions[0].info, descriptions[0].vllm_instance_id
         self.placement_group = get_placement_group(placement_group_name(self.name))
         self.phase = EnginePhase.READY
         return True
 
     async def teardown(self, graceful: bool = True) -> None:
-        """Kill the leader (its engine and workers go with it) and remove the placement group.
+        """Kill every leader (their engines and workers go with them) and remove the placement group.
 
-        ``graceful`` first asks the engine to shut down (skipped after a failure: a hung leader
+        ``graceful`` first asks the engines to shut down (skipped after a failure: a hung leader
         would only delay the restart). Also finds leftovers by name, from a previous owner too.
         """
-        leader = self.leader
-        if leader is None:
-            try:
-                leader = ray.get_actor(leader_actor_name(self.name), namespace=self.namespace)
-            except ValueError:
-                leader = None
-        if leader is not None:
-            if graceful:
+        leaders = []
+        for member in self.members:
+            leader = member.leader
+            if leader is None:
                 try:
-                    await asyncio.wait_for(leader.shutdown.remote(), LEADER_SHUTDOWN_TIMEOUT_S)
-                except Exception:
-                    pass
+                    leader = ray.get_actor(leader_actor_name(member.name), namespace=self.namespace)
+                except ValueError:
+                    leader = None
+            if leader is not None:
+                leaders.append(leader)
+        if graceful and leaders:
+            await asyncio.wait(
+                [asyncio.ensure_future(_shut_down(leader)) for leader in leaders], timeout=LEADER_SHUTDOWN_TIMEOUT_S
+            )
+        for leader in leaders:
             ray.kill(leader, no_restart=True)
         pg = self.placement_group
         if pg is None:
@@ -158,7 +209,9 @@ class ReplicaGroup:
                 pg = None
         if pg is not None:
             remove_placement_group(pg)  # kills every actor still in it: the worker ranks
-        self.leader, self.placement_group = None, None
+        for member in self.members:
+            member.leader = None
+        self.placement_group = None
         self.phase = EnginePhase.STOPPED
 
     def stop(self) -> None:
@@ -173,9 +226,17 @@ class ReplicaGroup:
             where = ", ".join(f"PP{pp}→node {node}" for pp, node in stages)
             return f"placed ({where}) in {self.step_durations_s['placement']:.1f} s; loading weights, KV cache …"
         if self.phase is EnginePhase.READY and self.info is not None:
+            engines = f"{len(self.members)} DP ranks, each " if len(self.members) > 1 else ""
             return (
-                f"ready in {sum(self.step_durations_s.values()):.1f} s "
-                f"({self.info.num_kv_blocks} KV blocks × {self.info.block_size} tokens, "
+                f"ready in {sum(self.step_durations_s.values()):.1f} s ({engines}"
+                f"{self.info.num_kv_blocks} KV blocks × {self.info.block_size} tokens, "
                 f"max_model_len {self.info.max_model_len})"
             )
         return f"{self.phase.value}: {self.error or ''}"
+
+
+async def _shut_down(leader: Any) -> None:
+    try:
+        await leader.shutdown.remote()
+    except Exception:
+        pass

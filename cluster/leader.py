@@ -8,6 +8,7 @@ rank inside the group's placement group, at the bundles we chose (``VLLM_RAY_BUN
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -98,7 +99,16 @@ class GroupLeader:
         workers = [c for core in cores for c in _children(core) if "Worker" in _title(c)]
         return sorted(((_title(w), w) for w in workers), key=lambda named: named[0])
 
-    async def start(self) -> EngineInfo:
+    def data_parallel_master(self) -> tuple[str, int]:
+        """Wide EP, DP rank 0: this node's address and a free port where its engine will meet the other ranks."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_ports(1)[0]
+
+    async def start(self, data_parallel_master: tuple[str, int] | None = None) -> EngineInfo:
+        if data_parallel_master is not None:
+            address, port = data_parallel_master
+            self.spec = dataclasses.replace(self.spec, data_parallel_address=address, data_parallel_rpc_port=port)
         self.phase = EnginePhase.STARTING_ENGINE
         try:
             # AsyncLLM's constructor blocks until every worker is up; a thread keeps this
@@ -136,7 +146,9 @@ class GroupLeader:
         if self.spec.kv_events:
             # Not OS-assigned ports: another socket could take one before the engine binds it.
             port, replay_port = free_ports(2)
-            events = kv_events_config(host, port, replay_port)
+            # vLLM adds the DP rank to both ports (one publisher per rank on a shared node); undo it here.
+            rank = self.spec.data_parallel_rank
+            events = kv_events_config(host, port - rank, replay_port - rank)
         args = AsyncEngineArgs(**engine_kwargs(self.spec, on_cpu, events))
         vllm_config = args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
         if on_ray:
@@ -158,7 +170,7 @@ class GroupLeader:
             vllm_instance_id=vllm_config.instance_id,
             startup_s=time.monotonic() - started,
             kv_events_endpoint=f"tcp://{host}:{port}" if events else None,
-            kv_events_replay_endpoint=events["replay_endpoint"] if events else None,
+            kv_events_replay_endpoint=f"tcp://{host}:{replay_port}" if events else None,
         )
 
     async def submit(self, channel_id: str, address: str, key: str, request: Any) -> None:

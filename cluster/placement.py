@@ -11,6 +11,9 @@ one bundle holds the leader and every accelerator of the group, on one node::
 
     bundle 0        leader + ranks {"CPU": leader_cpus, "GPU": TP*PP}
 
+A wide-EP group (DP ranks, each its own engine under ``mp``) has one such bundle per DP rank, free to
+spread over nodes: bundle r holds DP rank r's leader and its TP ranks.
+
 vLLM numbers ranks ``rank = pp_rank * TP + tp_rank``. We choose which bundle each rank gets
 from where Ray actually placed the bundles, so that the TP ranks of one pipeline stage
 always share a node (TP all-reduces every layer), while stages may sit on different nodes
@@ -47,18 +50,25 @@ class RankAssignment:
     node_id: str
 
 
-def plan_bundles(tp: int, pp: int, leader_cpus: float, executor: str = "ray", accelerator: str = "GPU") -> BundlePlan:
-    """Bundles for a TP×PP group. One stage fits on one node, so PP=1 packs strictly."""
+def plan_bundles(
+    tp: int, pp: int, leader_cpus: float, executor: str = "ray", accelerator: str = "GPU", data_parallel_size: int = 1
+) -> BundlePlan:
+    """Bundles for a TP×PP group (× DP ranks for wide EP). One stage fits on one node, so PP=1 packs strictly."""
     if executor == "mp":
-        return BundlePlan(bundles=[{"CPU": leader_cpus, accelerator: float(tp * pp)}], strategy="STRICT_PACK")
+        engine = {"CPU": leader_cpus, accelerator: float(tp * pp)}
+        if data_parallel_size > 1:
+            return BundlePlan(bundles=[dict(engine) for _ in range(data_parallel_size)], strategy="PACK")
+        return BundlePlan(bundles=[engine], strategy="STRICT_PACK")
     workers = [{accelerator: 1.0} for _ in range(tp * pp)]
     return BundlePlan(bundles=[{"CPU": leader_cpus}, *workers], strategy="STRICT_PACK" if pp == 1 else "PACK")
 
 
-def leader_bundle_ranks(node_id: str, tp: int, pp: int) -> list[RankAssignment]:
+def leader_bundle_ranks(
+    node_id: str, tp: int, pp: int, bundle_index: int = LEADER_BUNDLE_INDEX
+) -> list[RankAssignment]:
     """Under ``mp`` every rank lives in the leader's bundle, on its node."""
     return [
-        RankAssignment(rank=p * tp + t, pp_rank=p, tp_rank=t, bundle_index=LEADER_BUNDLE_INDEX, node_id=node_id)
+        RankAssignment(rank=p * tp + t, pp_rank=p, tp_rank=t, bundle_index=bundle_index, node_id=node_id)
         for p in range(pp)
         for t in range(tp)
     ]

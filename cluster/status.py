@@ -53,6 +53,9 @@ class GroupStatus:
     """The coordinator's account of the group (what it is doing, or why it is not ready)."""
     restarts: dict[str, int] = field(default_factory=dict)
     last_failure: str | None = None
+    leader_bundle: int = 0
+    gang: str | None = None
+    """The replica group restarted with this one (itself, or the wide-EP group of this DP rank)."""
 
 
 def vllm_worker_actor_name(instance_id: str, rank: int, tp: int, pp: int) -> str:
@@ -104,6 +107,7 @@ def collect(namespace: str) -> ClusterStatus:
         if lifecycle is not None:  # the coordinator's state is the one routing follows
             status.state, status.detail = lifecycle.state.value, lifecycle.detail
             status.restarts, status.last_failure = dict(lifecycle.restarts), lifecycle.last_failure
+            status.gang = lifecycle.gang or lifecycle.name
             if lifecycle.state.value != "ready" and status.error and status.error.startswith("ValueError"):
                 status.error = None  # no leader while restarting or failed: the detail says why
         statuses.append(status)
@@ -153,6 +157,8 @@ def _group_status(
         ranks=ranks,
         max_model_len=info.max_model_len if info else None,
         num_kv_blocks=info.num_kv_blocks if info else None,
+        # mp: the leader shares its ranks' bundle (a wide-EP DP rank's is its own); ray: bundle 0
+        leader_bundle=description.rank_bundles[0] if description.executor == "mp" else 0,
     )
 
 
@@ -180,7 +186,8 @@ def _group_lines(groups: list[GroupStatus]) -> list[str]:
         layout = f"{g.tensor_parallel_size}×{g.pipeline_parallel_size}"
         leader = g.leader
         rows.append(
-            (g.name, g.state, layout, "leader", "0", _short(leader.node_id if leader else None)) + _actor_cells(leader)
+            (g.name, g.state, layout, "leader", str(g.leader_bundle), _short(leader.node_id if leader else None))
+            + _actor_cells(leader)
         )
         for r in g.ranks:
             role = f"rank {r.rank} (PP{r.pp_rank} TP{r.tp_rank})"

@@ -34,6 +34,10 @@ RESERVED_ENGINE_ARGS = frozenset(
         "tensor_parallel_size",
         "pipeline_parallel_size",
         "data_parallel_size",
+        "data_parallel_rank",
+        "data_parallel_address",
+        "data_parallel_rpc_port",
+        "data_parallel_size_local",
         "distributed_executor_backend",
         "reasoning_parser",  # serving.reasoning_parser sets it for the groups and the ingress alike
     }
@@ -51,6 +55,15 @@ class ServeConfig(BaseModel):
     )
     pipeline_parallel_size: int | None = Field(
         1, ge=1, description="Pipeline stages per group (may span nodes); null: the planner chooses."
+    )
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "DP ranks per group. Above 1 every group is a wide-EP group of a MoE model: one vLLM engine per DP rank "
+            "(each with TP ranks inside one node), the experts sharded over all of them (expert parallelism), each "
+            "rank routed to on its own, and the ranks restarted together."
+        ),
     )
     plan: PlanConfig = PlanConfig()
     executor: Literal["auto", "ray", "mp"] = Field(
@@ -110,8 +123,13 @@ class ServeConfig(BaseModel):
         return self.pipeline_parallel_size
 
     @property
+    def layout_text(self) -> str:
+        dp = f" × DP={self.data_parallel_size} (wide EP)" if self.data_parallel_size > 1 else ""
+        return f"{self.groups} group(s){dp} × TP={self.tp} × PP={self.pp}"
+
+    @property
     def slots_per_group(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.data_parallel_size
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> ServeConfig:

@@ -22,7 +22,7 @@ from ray import serve
 from flotilla.cluster.config import ConfigError
 from flotilla.cluster.contract import EngineInfo, GroupState, Membership
 from flotilla.cluster.engine import EngineSpec, Executor, default_worker_threads, unknown_engine_args
-from flotilla.cluster.layout import check_capacity, check_layout
+from flotilla.cluster.layout import LayoutViolation, check_capacity, check_layout
 from flotilla.cluster.local_ray import LocalCluster, LocalClusterShape
 from flotilla.cluster.model_spec import ModelSpec, UnsupportedModelError
 from flotilla.cluster.placement import HEAD_NODE_RESOURCE
@@ -57,14 +57,16 @@ def validate(config: ServeConfig) -> tuple[ServeConfig, ModelSpec, list[str]]:
     notes: list[str] = []
     if config.tensor_parallel_size is None or config.pipeline_parallel_size is None:
         config, notes = _plan_layout(config)
-    problems = check_layout(spec, config.tp, config.pp)
+    expert_parallel = config.tp * config.data_parallel_size if config.data_parallel_size > 1 else 1
+    problems = check_layout(spec, config.tp, config.pp, ep=expert_parallel)
     local = config.cluster.local
     if config.cluster.address is None and local.slots_per_node is not None:
         problems += check_capacity(
             config.groups * config.slots_per_group,
             local.nodes * local.slots_per_node,
-            f"{config.groups} group(s) × TP={config.tp} × PP={config.pp}",
+            config.layout_text,
         )
+    problems += _check_wide_ep(config)
     if problems:
         raise ConfigError("invalid layout:\n" + "\n".join(f"  {p}" for p in problems))
     unknown = unknown_engine_args(config.engine_args)
@@ -72,6 +74,23 @@ def validate(config: ServeConfig) -> tuple[ServeConfig, ModelSpec, list[str]]:
         raise ConfigError(f"engine_args has fields vLLM does not know: {unknown}")
     _check_serving(config)
     return config, spec, notes
+
+
+def _check_wide_ep(config: ServeConfig) -> list[LayoutViolation]:
+    """What a wide-EP group (one vLLM engine per DP rank) needs beyond the model's own rules."""
+    if config.data_parallel_size == 1:
+        return []
+    problems = []
+    if config.pp != 1:
+        problems.append(LayoutViolation("wide-ep-pp", "a wide-EP group (data_parallel_size > 1) runs PP=1"))
+    if config.executor == "ray":
+        problems.append(
+            LayoutViolation(
+                "wide-ep-executor",
+                "a wide-EP group runs each DP rank under vLLM's mp executor: set executor auto or mp",
+            )
+        )
+    return problems
 
 
 def _check_serving(config: ServeConfig) -> None:
@@ -169,10 +188,7 @@ async def start(config: ServeConfig, say: Say, verbose: bool = False) -> Deploym
     config, spec, notes = validate(config)
     for note in notes:
         say(note)
-    say(
-        f"model {config.model_name} ({spec.architecture}, {spec.num_hidden_layers} layers): "
-        f"{config.groups} group(s) × TP={config.tp} × PP={config.pp}"
-    )
+    say(f"model {config.model_name} ({spec.architecture}, {spec.num_hidden_layers} layers): {config.layout_text}")
     deployment = Deployment(config, cluster=_start_ray(config, say, verbose))
     try:
         _check_cluster_slots(config)
@@ -204,7 +220,7 @@ def _start_ray(config: ServeConfig, say: Say, verbose: bool) -> LocalCluster | N
         say(f"joined Ray cluster at {config.cluster.address}")
         return None
     shape = LocalClusterShape.for_groups(
-        config.cluster.local, config.groups * config.slots_per_group, leaders=config.groups
+        config.cluster.local, config.groups * config.slots_per_group, leaders=config.groups * config.data_parallel_size
     )
     cluster = LocalCluster(shape, config.cluster.namespace, log_to_driver=verbose)
     say(
@@ -240,6 +256,7 @@ def _engine_spec(config: ServeConfig, cluster: LocalCluster | None) -> EngineSpe
         cpu_kv_cache_memory_bytes=config.cpu.kv_cache_memory_bytes,
         cpu_threads_per_worker=threads,
         kv_events=config.routing.kv_events,
+        data_parallel_size=config.data_parallel_size,
     )
 
 
@@ -268,13 +285,14 @@ async def _wait_for_groups(coordinator: Any, say: Say) -> Membership:
     while True:
         membership: Membership = await coordinator.get_membership.remote()
         heartbeat = time.monotonic() - last_heartbeat >= HEARTBEAT_S
-        for group in membership.groups:
-            unsaid = [(n, detail) for n, detail in group.recent_details if n > said.get(group.name, 0)]
+        gangs = {group.gang or group.name: group for group in membership.groups}  # DP ranks share their progress
+        for name, group in gangs.items():
+            unsaid = [(n, detail) for n, detail in group.recent_details if n > said.get(name, 0)]
             for number, detail in unsaid:
-                say(f"[{group.name}] {detail}")
-                said[group.name] = number
+                say(f"[{name}] {detail}")
+                said[name] = number
             if not unsaid and heartbeat and group.state is GroupState.STARTING:
-                say(f"[{group.name}] {group.detail} ({time.monotonic() - started:.0f} s)")
+                say(f"[{name}] {group.detail} ({time.monotonic() - started:.0f} s)")
         if heartbeat:
             last_heartbeat = time.monotonic()
         failed = [g for g in membership.groups if g.state is GroupState.FAILED]

@@ -61,6 +61,7 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 def group_json(group: GroupSnapshot) -> dict[str, Any]:
     return {
         "name": group.name,
+        "gang": group.gang or group.name,
         "state": group.state.value,
         "generation": group.generation,
         "detail": group.detail,

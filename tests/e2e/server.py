@@ -79,9 +79,8 @@ VLLM_CPU_ENGINE_FLAGS = [
 
 
 @contextmanager
-def vllm_serve(model: Path, served_name: str, flags: list[str], wait: bool = True) -> Iterator[str]:
-    """vLLM's OpenAI server (its default executor) on a free port; yields its URL once it answers
-    (``wait=False``: at once, for servers that only come up together, such as the DP ranks of one EP group)."""
+def vllm_serve(model: Path, served_name: str, flags: list[str]) -> Iterator[str]:
+    """vLLM's OpenAI server (its default executor) on a free port; yields its URL once it answers."""
     port = free_port()
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -94,11 +93,10 @@ def vllm_serve(model: Path, served_name: str, flags: list[str], wait: bool = Tru
     threading.Thread(target=lambda: lines.extend(process.stdout or ()), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     try:
-        if wait:
-            try:
-                wait_serving(f"{url}/health", process, STARTUP_TIMEOUT_S, "vLLM's server")
-            except (RuntimeError, TimeoutError) as err:
-                raise RuntimeError(f"{err}:\n" + "".join(lines[-60:])) from None
+        try:
+            wait_serving(f"{url}/health", process, STARTUP_TIMEOUT_S, "vLLM's server")
+        except (RuntimeError, TimeoutError) as err:
+            raise RuntimeError(f"{err}:\n" + "".join(lines[-60:])) from None
         yield url
     finally:
         stop_gracefully(process, SHUTDOWN_TIMEOUT_S)

@@ -1,6 +1,9 @@
-"""Wide-EP on vLLM's CPU build with Flotilla's platform plugin: tiny-mixtral served by two vLLM engines
-(DP = 2 × EP = 2, one OpenAI server per DP rank, as an external load balancer drives them) answers
-greedy requests on both ranks at once exactly as one engine without EP does.
+"""Wide EP through ``flotilla serve --config examples/wide-ep-cpu.yaml``: tiny-mixtral as one group of
+DP = 2 vLLM engines × EP = 2 on two simulated nodes (real vLLM, Flotilla's CPU platform plugin).
+
+Greedy answers, with both DP ranks busy at once, equal one vLLM engine's without EP; each DP rank is
+its own routing target; a rank killed under load takes the whole EP group out and brings it back as
+one gang, with 503 + ``Retry-After`` meanwhile (no other group can serve), never a hang or a 500.
 
 Without the plugin's two CPU pieces (``flotilla.cluster.vllm_cpu_ep``) the naive all-to-all raises
 ``NotImplementedError`` in ``all_gatherv`` and the experts read past their local weights.
@@ -8,20 +11,23 @@ Without the plugin's two CPU pieces (``flotilla.cluster.vllm_cpu_ep``) the naive
 
 from __future__ import annotations
 
+import os
+import signal
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import pytest
 
-from devtools import wait_for
-from flotilla.cluster.ports import free_port
-from tests.e2e.server import STARTUP_TIMEOUT_S, vllm_serve
+from devtools import Load, wait_for
+from tests.e2e.faults import TOKEN, group, rank_pid, routed_to, status, wait_back_in_routing
+from tests.e2e.server import Server, flotilla_serve, vllm_serve
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-mixtral"
+RANKS = ("group-0-dp0", "group-0-dp1")
 PROMPTS = [f"The {word} river and the mountain {i}" for i, word in enumerate(["red", "old", "long", "quiet"] * 2)]
 
 
@@ -32,29 +38,58 @@ def greedy(url: str, prompt: str) -> str:
     return str(response.json()["choices"][0]["text"])
 
 
-def answers(urls: list[str]) -> list[str]:
-    """Every prompt, spread over ``urls`` and sent concurrently (both DP ranks busy at once)."""
+def answers(url: str) -> list[str]:
+    """Every prompt, sent concurrently (through Flotilla: both DP ranks busy at once)."""
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        return list(pool.map(lambda i: greedy(urls[i % len(urls)], PROMPTS[i]), range(len(PROMPTS))))
+        return list(pool.map(lambda prompt: greedy(url, prompt), PROMPTS))
 
 
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def test_dp2_ep2_engines_answer_like_one_engine(tiny_mixtral: Path) -> None:
+@pytest.fixture(scope="module")
+def reference(tiny_mixtral: Path) -> list[str]:
+    """One vLLM engine, no DP, no EP: what the wide-EP group must answer."""
     with vllm_serve(tiny_mixtral, MODEL, []) as url:
-        reference = answers([url])
-    rpc_port = free_port()
-    dp_flags = ["--data-parallel-size", "2", "--data-parallel-address", "127.0.0.1"]
-    dp_flags += ["--data-parallel-rpc-port", str(rpc_port), "--enable-expert-parallel"]
-    with ExitStack() as stack:
-        urls = [
-            stack.enter_context(vllm_serve(tiny_mixtral, MODEL, [*dp_flags, "--data-parallel-rank", str(rank)], False))
-            for rank in range(2)
-        ]
-        assert wait_for(lambda: all(healthy(u) for u in urls), STARTUP_TIMEOUT_S), "the DP ranks never came up"
-        assert answers(urls) == reference
+        return answers(url)
+
+
+@pytest.fixture(scope="module")
+def server(reference: list[str]) -> Iterator[Server]:  # after the reference: one server at a time on 2 cores
+    with flotilla_serve("examples/wide-ep-cpu.yaml", env={"FLOTILLA_ADMIN_TOKEN": TOKEN}) as running:
+        yield running
+
+
+def test_a_dp2_ep2_group_answers_like_one_engine_and_routes_to_each_rank(server: Server, reference) -> None:
+    assert "1 group(s) × DP=2 (wide EP) × TP=1 × PP=1" in server.output()
+    before = {rank: routed_to(server, rank) for rank in RANKS}
+    assert answers(server.url) == reference
+    assert all(routed_to(server, rank) > before[rank] for rank in RANKS), "a DP rank got no request"
+    listed = {g["name"]: g for g in status(server)}
+    assert sorted(listed) == list(RANKS) and all(g["state"] == "ready" for g in listed.values())
+    nodes = {g["ranks"][0]["node_id"] for g in listed.values()}
+    assert len(nodes) == 2, "both DP ranks on one node: the example asks for one per node"
+
+
+def test_a_killed_rank_restarts_the_whole_ep_group_once(server: Server, reference) -> None:
+    before = {rank: group(server, rank) for rank in RANKS}
+    with Load(server.url, MODEL) as load:
+        os.kill(rank_pid(server, "group-0-dp1", rank=0), signal.SIGKILL)
+        assert wait_for(lambda: all(group(server, r)["state"] != "ready" for r in RANKS), 10), "death unnoticed"
+        # No other group can serve meanwhile: a retryable 503 at once, never a hang.
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+        refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=10)
+        assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+        after = {rank: wait_back_in_routing(server, rank, before[rank]["generation"]) for rank in RANKS}
+        recovered = max(float(g["since"]) for g in after.values())
+
+        def served_again() -> float | None:
+            return next((o.started for o in load.outcomes if o.started >= recovered and o.status == 200), None)
+
+        first_served = wait_for(served_again, 120)
+        assert first_served, "no request served after the group came back"
+        assert wait_for(lambda: load.answered_since(first_served) >= 8, 120), "too few answers after recovery"
+    assert load.in_flight() == 0, "requests never came back"
+    assert {o.status for o in load.failures()} <= {503}, load.failures()[:3]
+    assert not [o for o in load.outcomes if o.started >= first_served and o.status != 200]
+    for rank in RANKS:  # one gang restart, seen by both ranks; the next engine generation
+        grown = {k: n - before[rank]["restarts"].get(k, 0) for k, n in after[rank]["restarts"].items()}
+        assert sum(grown.values()) == 1 and after[rank]["generation"] == before[rank]["generation"] + 1, after[rank]
+    assert answers(server.url) == reference

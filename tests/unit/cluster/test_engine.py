@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -34,3 +35,20 @@ def test_engine_processes_leave_rays_worker_niceness_when_allowed() -> None:
     assert int(priority) == int(other_thread) == (0 if lowered == "True" else 5)  # every thread, not the caller's
     if os.geteuid() == 0:
         assert lowered == "True"
+
+
+def test_a_dp_rank_of_a_wide_ep_group_is_an_external_lb_rank_with_expert_parallelism() -> None:
+    from flotilla.cluster.engine import EngineSpec, engine_kwargs
+
+    spec = EngineSpec("m", "m", 2, 1, executor="mp", data_parallel_size=2, data_parallel_rank=1)
+    spec = dataclasses.replace(spec, data_parallel_address="10.0.0.1", data_parallel_rpc_port=23456)
+    kwargs = engine_kwargs(spec, on_cpu=True)
+    assert {k: kwargs[k] for k in kwargs if k.startswith("data_parallel")} == {
+        "data_parallel_size": 2,
+        "data_parallel_rank": 1,
+        "data_parallel_address": "10.0.0.1",
+        "data_parallel_rpc_port": 23456,
+    }
+    assert kwargs["enable_expert_parallel"] and kwargs["tensor_parallel_size"] == 2
+    plain = engine_kwargs(dataclasses.replace(spec, data_parallel_size=1), on_cpu=True)
+    assert not any(k.startswith("data_parallel") or k == "enable_expert_parallel" for k in plain)

@@ -4,15 +4,16 @@ and an ingress directory following membership snapshots."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
 
 from flotilla.cluster import coordinator as coordinator_module
-from flotilla.cluster.contract import EnginePhase, GroupSnapshot, GroupState, LeaderHealth, Membership
+from flotilla.cluster.contract import EngineInfo, EnginePhase, GroupSnapshot, GroupState, LeaderHealth, Membership
 from flotilla.cluster.coordinator import Coordinator, UnknownGroup
 from flotilla.cluster.engine import EngineSpec
+from flotilla.cluster.group import Member, member_names
 from flotilla.cluster.lifecycle import RecoveryConfig, RestartBudget
 from flotilla.router.group_directory import GroupDirectory
 from flotilla.router.routing import NoRoutableGroup
@@ -85,11 +86,23 @@ class FakeGroup:
     def __init__(self, name: str, spec: EngineSpec, namespace: str = "", generation: int = 0) -> None:
         self.name, self.spec, self.generation = name, spec, generation
         self.phase = EnginePhase.PLACING
-        self.leader: FakeLeader | None = None
-        self.info = None
-        self.instance_id: str | None = None
+        self.members = [Member(member, rank) for rank, member in enumerate(member_names(name, spec.data_parallel_size))]
         self.error: str | None = None
         self.placement_group = None
+
+    @property
+    def leader(self) -> FakeLeader | None:
+        return self.members[0].leader
+
+    @property
+    def instance_id(self) -> str | None:
+        return self.members[0].instance_id
+
+    def _up(self, instance: str) -> None:
+        for member in self.members:
+            member.leader = FakeLeader()
+            member.info = EngineInfo(64, BLOCK, 100, f"{member.name}-{instance}", startup_s=0.0)
+        self.phase = EnginePhase.READY
 
     async def start(self, timeout_s: float, on_progress: Any = None) -> None:
         FakeGroup.started.append(self.name)
@@ -97,19 +110,19 @@ class FakeGroup:
         if self.name in FakeGroup.fail_starts:
             self.phase, self.error = EnginePhase.FAILED, "engine would not start"
             raise RuntimeError(self.error)
-        self.leader = FakeLeader()
-        self.instance_id = f"{self.name}-{len(FakeGroup.started)}"
-        self.phase = EnginePhase.READY
+        self._up(str(len(FakeGroup.started)))
 
     async def adopt(self) -> bool:
         self.generation, ready = FakeGroup.leftovers.get(self.name, (0, False))
         if ready:
-            self.leader, self.instance_id, self.phase = FakeLeader(), f"{self.name}-adopted", EnginePhase.READY
+            self._up("adopted")
         return ready
 
     async def teardown(self, graceful: bool = True) -> None:
         FakeGroup.torn_down.append(self.name)
-        self.leader, self.phase = None, EnginePhase.STOPPED
+        for member in self.members:
+            member.leader = None
+        self.phase = EnginePhase.STOPPED
 
     def describe_step(self) -> str:
         return f"{self.phase.value}: {self.error or ''}"
@@ -181,6 +194,32 @@ def test_a_new_coordinator_adopts_ready_groups_and_restarts_broken_ones(
         assert g1.generation == 2 and g1.instance_id == "g1-adopted" and not g1.restarts
         assert g0.generation == 4 and g0.restarts == {"engine_dead": 1}
         assert fake_groups.torn_down == ["g0"] and fake_groups.started == ["g0"]
+        await coordinator.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_wide_ep_group_is_one_gang_of_routable_dp_ranks(fake_groups: type[FakeGroup]) -> None:
+    """Each DP rank is its own routing target; one rank's death takes every rank of its group out of
+    routing and recreates them all (LWS RecreateGroupOnPodRestart); the other group is untouched."""
+    spec = EngineSpec("m", "m", tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=2)
+
+    async def scenario() -> None:
+        coordinator = Coordinator({"ep": spec, "g1": replace(spec, data_parallel_size=1)}, FAST, 10, "test")
+        await coordinator.start()
+        ready = await until(coordinator, lambda m: len(m.ready()) == 3)
+        assert [g.name for g in ready.groups] == ["ep-dp0", "ep-dp1", "g1"]
+        assert len({g.instance_id for g in ready.groups}) == 3 and len({id(g.leader) for g in ready.groups}) == 3
+        coordinator.records["ep"].runtime.members[1].leader.dead = True
+        restarting = await until(coordinator, lambda m: state(m, "ep-dp0") is GroupState.RESTARTING)
+        assert state(restarting, "ep-dp1") is GroupState.RESTARTING and state(restarting, "g1") is GroupState.READY
+        assert {g.name for g in restarting.ready()} == {"g1"}
+        back = await until(coordinator, lambda m: len(m.ready()) == 3)
+        assert [g.generation for g in back.groups] == [2, 2, 1]
+        assert back.events[-1].group == "ep" and back.events[-1].reason.startswith("ep-dp1: leader unreachable")
+        assert fake_groups.started == ["ep", "g1", "ep"] and fake_groups.torn_down == ["ep"]
+        drained = await coordinator.drain("ep-dp1")  # an operator names a rank: the gang drains
+        assert drained.name == "ep-dp1" and state(coordinator.membership, "ep-dp0") is GroupState.DRAINING
         await coordinator.shutdown()
 
     asyncio.run(scenario())

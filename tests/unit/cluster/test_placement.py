@@ -57,3 +57,11 @@ def test_mp_groups_hold_every_accelerator_in_the_leaders_bundle() -> None:
         (3, 1, 1, 0),
     ]
     assert bundle_indices_env(ranks) == "0,0,0,0"
+
+
+def test_a_wide_ep_group_has_one_bundle_per_dp_rank_free_to_spread() -> None:
+    from flotilla.cluster.placement import leader_bundle_ranks
+
+    plan = plan_bundles(tp=2, pp=1, leader_cpus=1.0, executor="mp", data_parallel_size=3)
+    assert plan.bundles == [{"CPU": 1.0, "GPU": 2.0}] * 3 and plan.strategy == "PACK"
+    assert bundle_indices_env(leader_bundle_ranks("n2", tp=2, pp=1, bundle_index=2)) == "2,2"

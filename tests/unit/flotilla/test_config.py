@@ -57,6 +57,29 @@ def test_invalid_layouts_name_their_rule(tmp_path, tiny_llama, fields: str, rule
         validate(config)
 
 
+@pytest.mark.parametrize(
+    ("model", "fields", "rule"),
+    [
+        ("tiny_llama", "data_parallel_size: 2", "ep-needs-moe"),
+        ("tiny_mixtral", "data_parallel_size: 3", "experts-divisible-by-ep"),  # 8 experts over 3 ranks
+        ("tiny_mixtral", "data_parallel_size: 2\npipeline_parallel_size: 2", "wide-ep-pp"),
+        ("tiny_mixtral", "data_parallel_size: 2\nexecutor: ray", "wide-ep-executor"),
+        ("tiny_mixtral", "data_parallel_size: 2\ncluster: {local: {slots_per_node: 1}}", "slots-available"),
+    ],
+)
+def test_invalid_wide_ep_layouts_name_their_rule(tmp_path, request, model: str, fields: str, rule: str) -> None:
+    path = request.getfixturevalue(model)
+    with pytest.raises(ConfigError, match=rule):
+        validate(ServeConfig.from_yaml(write(tmp_path, f"model: {path}\n{fields}\n")))
+
+
+def test_the_wide_ep_example_is_one_group_of_two_dp_ranks_on_two_nodes(tiny_mixtral) -> None:
+    example = ServeConfig.from_yaml(REPO / "examples/wide-ep-cpu.yaml", {"model": str(tiny_mixtral)})
+    config, _, _ = validate(example)
+    assert (config.groups, config.data_parallel_size, config.tp, config.cluster.local.nodes) == (1, 2, 1, 2)
+    assert config.slots_per_group == 2 and config.layout_text == "1 group(s) × DP=2 (wide EP) × TP=1 × PP=1"
+
+
 def test_unknown_engine_args_are_rejected_before_start(tmp_path, tiny_llama) -> None:
     config = ServeConfig.from_yaml(write(tmp_path, f"model: {tiny_llama}\nengine_args: {{max_modle_len: 9}}\n"))
     with pytest.raises(ConfigError, match="max_modle_len"):
