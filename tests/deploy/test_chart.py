@@ -314,3 +314,29 @@ def test_cpu_mode_declares_slots_without_requesting_gpus(mode: str) -> None:
     else:
         leader = containers(serving["spec"]["leaderWorkerTemplate"]["leaderTemplate"])["flotilla"]
         assert "--num-gpus=2" in leader["args"][0]
+
+
+WIDE_EP_EXAMPLE = CHART.parent / "examples" / "deepseek-v3-wide-ep.yaml"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_wide_ep_example_renders_one_ep_group_over_two_8_gpu_pods(mode: str) -> None:
+    """deploy/helm/examples/deepseek-v3-wide-ep.yaml: DP = 16 × TP = 1 = 16 GPUs per group, two pods."""
+    values = yaml.safe_load(WIDE_EP_EXAMPLE.read_text()) | {"mode": mode}
+    report = helm.lint(CHART, values, strict=True)
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == []
+    objs = objects(mode, values)
+    assert [error for obj in objs for error in validation_errors(obj)] == []
+    config = serve_config(objs)
+    assert (config.data_parallel_size, config.tensor_parallel_size, config.slots_per_group) == (16, 1, 16)
+    if mode == "lws":
+        lws = only(objs, "LeaderWorkerSet")["spec"]
+        assert lws["leaderWorkerTemplate"]["size"] == 2
+        assert lws["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+        leader = containers(lws["leaderWorkerTemplate"]["leaderTemplate"])["flotilla"]
+        assert leader["resources"]["limits"]["nvidia.com/gpu"] == 8 and "wait_for_slots.py 16 " in leader["args"][0]
+    else:
+        cluster = only(objs, "RayService")["spec"]["rayClusterConfig"]
+        (workers,) = cluster["workerGroupSpecs"]
+        assert workers["replicas"] == 2 and workers["rayStartParams"]["num-gpus"] == "8"
+        assert "wait_for_slots.py 16 " in containers(cluster["headGroupSpec"]["template"])["ray-head"]["args"][0]

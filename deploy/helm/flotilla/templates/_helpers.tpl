@@ -29,23 +29,29 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/* Layout: TP stays inside a node, so accelerator.perNode must be a multiple of TP; a group
      spans ceil(TP × PP / perNode) nodes. Broken layouts fail here with the rule they break. */}}
-{{- define "flotilla.nodesPerGroup" -}}
+{{/* Accelerators of one replica group: TP × PP, times the DP ranks of a wide-EP group. */}}
+{{- define "flotilla.groupSlots" -}}
 {{- $tp := int .Values.config.tensor_parallel_size -}}
 {{- $pp := int .Values.config.pipeline_parallel_size -}}
+{{- mul (mul $tp $pp) (int (.Values.config.data_parallel_size | default 1)) -}}
+{{- end -}}
+
+{{- define "flotilla.nodesPerGroup" -}}
+{{- $tp := int .Values.config.tensor_parallel_size -}}
 {{- $per := int .Values.accelerator.perNode -}}
 {{- if ne (mod $per $tp) 0 -}}
 {{- fail (printf "accelerator.perNode (%d) must be a multiple of config.tensor_parallel_size (%d): tensor-parallel ranks stay on one node" $per $tp) -}}
 {{- end -}}
-{{- $slots := mul $tp $pp -}}
+{{- $slots := int (include "flotilla.groupSlots" .) -}}
 {{- if and (gt $slots $per) (ne (mod $slots $per) 0) -}}
-{{- fail (printf "config.tensor_parallel_size × pipeline_parallel_size (%d) must fill whole nodes of accelerator.perNode (%d) when a group spans nodes" $slots $per) -}}
+{{- fail (printf "config.tensor_parallel_size × pipeline_parallel_size × data_parallel_size (%d) must fill whole nodes of accelerator.perNode (%d) when a group spans nodes" $slots $per) -}}
 {{- end -}}
 {{- div (add $slots (sub $per 1)) $per -}}
 {{- end -}}
 
 {{/* Accelerators each Ray node of a group declares: a group smaller than a node uses only its slots. */}}
 {{- define "flotilla.slotsPerNode" -}}
-{{- $slots := mul (int .Values.config.tensor_parallel_size) (int .Values.config.pipeline_parallel_size) -}}
+{{- $slots := int (include "flotilla.groupSlots" .) -}}
 {{- min $slots (int .Values.accelerator.perNode) -}}
 {{- end -}}
 
