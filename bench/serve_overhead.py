@@ -10,6 +10,10 @@ Targets, each started fresh and alternated over rounds so machine noise hits all
 * ``vllm-2x``     — two vLLM servers behind HAProxy round robin (one OpenMP thread each, unbound,
   as Flotilla's workers run)
 * ``flotilla-2g`` — ``flotilla serve`` with 2 groups: routing's cost against plain round robin
+* ``flotilla-ep`` — ``flotilla serve`` with 1 wide-EP group of 2 DP ranks (``data_parallel_size: 2``,
+  a MoE ``--model``): against ``flotilla-2g`` (the same two engines without EP) and
+* ``vllm-ep2``    — vLLM's own wide EP: two servers with ``--data-parallel-rank 0|1`` and
+  ``--enable-expert-parallel`` behind HAProxy round robin
 
 Each target gets the same load from vLLM's own benchmark client (``vllm.benchmarks.serve``, the
 code behind ``vllm bench serve``), nobody's here: random prompts of ``--input-len`` tokens,
@@ -148,11 +152,19 @@ class VllmPair(VllmServer):
 
     name = "vllm-2x"
 
+    def rank_flags(self, rank: int) -> list[str]:
+        return []
+
     def _start(self) -> None:
         backends = free_ports(2)
         env = SERVER_ENV | {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-        for i, port in enumerate(backends):
-            self.spawn(f"{self.name}-{i}", self.vllm_command(port), env, f"http://127.0.0.1:{port}")
+        processes = []
+        for i, port in enumerate(backends):  # started together: DP ranks of one EP group only come up together
+            command = self.vllm_command(port) + self.rank_flags(i)
+            processes.append(Process(f"{SECTION}-{self.name}-{i}", command, env, self.log_dir))
+        self.processes += processes
+        for process, port in zip(processes, backends, strict=True):
+            wait_ready(f"http://127.0.0.1:{port}", process)
         config = Path(tempfile.mkdtemp()) / "haproxy.cfg"
         servers = "\n".join(f"  server vllm{i} 127.0.0.1:{port}" for i, port in enumerate(backends))
         config.write_text(
@@ -167,16 +179,33 @@ class VllmPair(VllmServer):
         self.spawn(f"{self.name}-haproxy", [str(haproxy), "-db", "-f", str(config)], {}, self.url)
 
 
+class VllmEpPair(VllmPair):
+    """vLLM's own wide EP: DP = 2 engines (external load balancing) × EP, one server per DP rank."""
+
+    name = "vllm-ep2"
+
+    def _start(self) -> None:
+        (self.rpc_port,) = free_ports(1)
+        super()._start()
+
+    def rank_flags(self, rank: int) -> list[str]:
+        return [
+            "--data-parallel-size", "2", "--data-parallel-rank", str(rank), "--data-parallel-address", "127.0.0.1",
+            "--data-parallel-rpc-port", str(self.rpc_port), "--enable-expert-parallel",
+        ]  # fmt: skip
+
+
 class Flotilla(Target):
     name = "flotilla"
     groups = 1
     executor = "auto"
+    extra_yaml = ""
 
     def _start(self) -> None:
         config = Path(tempfile.mkdtemp()) / "bench.yaml"
         config.write_text(
             f"model: {self.model_dir}\nserved_model_name: {MODEL_NAME}\ngroups: {self.groups}\n"
-            f"executor: {self.executor}\nport: {self.port}\n" + self.settings.flotilla_yaml()
+            f"executor: {self.executor}\nport: {self.port}\n" + self.settings.flotilla_yaml() + self.extra_yaml
         )
         command = [sys.executable, "-m", "flotilla.cli", "serve", "--config", str(config)]
         self.spawn(self.name, command, {"PYTHONUNBUFFERED": "1"}, self.url)
@@ -192,8 +221,21 @@ class FlotillaTwoGroups(Flotilla):
     groups = 2
 
 
-TARGETS = {cls.name: cls for cls in (VllmServer, VllmRay, Flotilla, FlotillaRay, VllmPair, FlotillaTwoGroups)}
-PEERS = {"flotilla": ("vllm-uni", "vllm-ray"), "flotilla-ray": ("vllm-ray",), "flotilla-2g": ("vllm-2x",)}
+class FlotillaWideEp(Flotilla):
+    name = "flotilla-ep"
+    extra_yaml = "data_parallel_size: 2\n"
+
+
+TARGETS = {
+    cls.name: cls
+    for cls in (VllmServer, VllmRay, Flotilla, FlotillaRay, VllmPair, FlotillaTwoGroups, VllmEpPair, FlotillaWideEp)
+}
+PEERS = {
+    "flotilla": ("vllm-uni", "vllm-ray"),
+    "flotilla-ray": ("vllm-ray",),
+    "flotilla-2g": ("vllm-2x",),
+    "flotilla-ep": ("flotilla-2g", "vllm-ep2"),
+}
 
 
 def bench_serve(url: str, model_dir: Path, args: argparse.Namespace, prompts: int, concurrency: int) -> dict:
@@ -305,6 +347,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto", help="auto: gpu if CUDA is there")
     parser.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument(
+        "--section", default=SECTION, help="results name and docs/benchmarks.md section (wide EP: serve_wide_ep)"
+    )
     args = parser.parse_args()
     args.model = args.model.resolve()
     targets = args.targets.split(",")
@@ -321,14 +366,15 @@ def main() -> None:
             print(f"  {json.dumps({k: runs[-1][k] for k in ('c1', 'cN')})}", flush=True)
     rows = summarize(runs, targets)
     report = markdown(rows, args, settings, ("python -m bench.serve_overhead " + " ".join(sys.argv[1:])).strip())
-    section = SECTION if settings.device == "cpu" else f"{SECTION}_gpu"
+    section = args.section if settings.device == "cpu" else f"{args.section}_gpu"
     (RESULTS / f"{section}.json").write_text(
         json.dumps({"args": vars(args) | {"model": str(args.model)}, "runs": runs, "summary": rows}, indent=2)
     )
     (RESULTS / f"{section}.md").write_text(report + "\n")
     if not args.no_docs:
         where = "CPU" if settings.device == "cpu" else "GPU"
-        write_docs_section(section, report, f"Serving overhead ({where}): Flotilla vs vLLM's own server")
+        title = "Wide EP" if args.section != SECTION else "Serving overhead"
+        write_docs_section(section, report, f"{title} ({where}): Flotilla vs vLLM's own server")
     print(report)
 
 

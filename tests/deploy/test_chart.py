@@ -114,7 +114,7 @@ def test_schema_rejects_bad_values_with_readable_errors(values: dict[str, Any], 
         ({"config": {"tensor_parallel_size": 3}}, "accelerator.perNode (8) must be a multiple of"),
         (
             {"config": {"tensor_parallel_size": 4, "pipeline_parallel_size": 3}},
-            "pipeline_parallel_size (12) must fill whole nodes of accelerator.perNode (8)",
+            "pipeline_parallel_size × data_parallel_size (12) must fill whole nodes of accelerator.perNode (8)",
         ),
     ],
 )
