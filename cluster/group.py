@@ -222,8 +222,12 @@ class ReplicaGroup:
         if self.phase is EnginePhase.PLACING:
             return "placement: reserving bundles …"
         if self.phase is EnginePhase.STARTING_ENGINE:
-            stages = sorted({(a.pp_rank, a.node_id[:8]) for a in self.ranks})
-            where = ", ".join(f"PP{pp}→node {node}" for pp, node in stages)
+            if len(self.members) > 1:  # wide EP under mp: DP rank r's ranks are in bundle r
+                dp_ranks = sorted({(a.bundle_index, a.node_id[:8]) for a in self.ranks})
+                where = ", ".join(f"DP{rank}→node {node}" for rank, node in dp_ranks)
+            else:
+                stages = sorted({(a.pp_rank, a.node_id[:8]) for a in self.ranks})
+                where = ", ".join(f"PP{pp}→node {node}" for pp, node in stages)
             return f"placed ({where}) in {self.step_durations_s['placement']:.1f} s; loading weights, KV cache …"
         if self.phase is EnginePhase.READY and self.info is not None:
             engines = f"{len(self.members)} DP ranks, each " if len(self.members) > 1 else ""
