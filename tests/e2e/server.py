@@ -31,8 +31,10 @@ class Server:
 
 
 @contextmanager
-def flotilla_serve(config: str = "examples/local-cpu.yaml", env: dict[str, str] | None = None) -> Iterator[Server]:
-    port = free_port()
+def flotilla_serve(
+    config: str = "examples/local-cpu.yaml", env: dict[str, str] | None = None, port: int | None = None
+) -> Iterator[Server]:
+    port = port or free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "flotilla.cli", "serve", "--config", config, "--port", str(port)],
         cwd=REPO,

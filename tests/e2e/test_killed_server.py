@@ -1,6 +1,5 @@
 """A ``flotilla serve`` killed with SIGKILL leaves nothing behind: every process it started ends
-(HAProxy included, though it is only the child of a Ray actor), and its port is free for the next
-server."""
+(HAProxy included, though it is only the child of a Ray actor), and the next server starts on its port."""
 
 from __future__ import annotations
 
@@ -56,6 +55,8 @@ def test_a_killed_server_leaves_no_process_and_frees_its_port(models_dir: Path, 
         assert port is not None
         os.kill(server.process.pid, signal.SIGKILL)
         assert wait_for(lambda: port_free(port), 60), holders(port)
+        with flotilla_serve(str(config), port=port) as second:  # the next server on the same port starts
+            assert httpx.post(f"{second.url}/v1/completions", json=body, timeout=60).status_code == 200
         # Ray's node agents notice their raylet is gone on their own schedule (seen: 1-2 minutes).
         assert wait_for(lambda: not any(alive(p) for p in started), 240), [
             f"{p.pid} {p.name()}" for p in started if alive(p)
