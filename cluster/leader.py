@@ -75,6 +75,16 @@ class GroupLeader:
 
     def _rank_processes(self) -> list[RankProcess]:
         ranks = self._rank_children() or self._ranks_at_start  # a rank that died may be gone from the table
+        if not ranks:  # for diagnosis: what the process tree held instead
+            import psutil
+
+            seen = {c.pid: _title(c) for c in _children(psutil.Process())}
+            logger.warning(
+                "group %s: no rank process found; engine cores %s, children %s",
+                self.group_name,
+                _engine_core_pids(self.engine),
+                seen,
+            )
         return [RankProcess(name, process.pid, _process_state(process)) for name, process in ranks]
 
     def _rank_children(self) -> list[tuple[str, Any]]:
