@@ -39,7 +39,7 @@ from flotilla.cluster.contract import (
 )
 from flotilla.cluster.engine import EngineSpec
 from flotilla.cluster.eplb.ep_group import EP_GROUP_NAME, EpGroup, EpGroupConfig, ep_group_actor_options
-from flotilla.cluster.group import ReplicaGroup, member_names
+from flotilla.cluster.group import ReplicaGroup
 from flotilla.cluster.lifecycle import RecoveryConfig, RestartBudget
 from flotilla.cluster.placement import HEAD_NODE_RESOURCE
 
@@ -383,7 +383,7 @@ class Coordinator:
         """The group named ``group``, or the wide-EP group one of whose DP ranks it names."""
         record = self.records.get(group)
         if record is None:
-            record = next((r for r in self.records.values() if group in member_names_of(r)), None)
+            record = next((r for r in self.records.values() if group in {m.name for m in r.runtime.members}), None)
         if record is None:
             raise UnknownGroup(f"no group named {group!r}; groups: {sorted(self.records)}")
         return record
@@ -446,10 +446,6 @@ class Coordinator:
         self.membership = snapshot
         async with self._changed:
             self._changed.notify_all()
-
-
-def member_names_of(record: GroupRecord) -> list[str]:
-    return member_names(record.name, record.spec.data_parallel_size)
 
 
 def _same(a: Membership, b: Membership) -> bool:

@@ -79,8 +79,6 @@ class ReplicaGroup:
     generation: int = 0
     phase: EnginePhase = EnginePhase.PLACING
     ranks: list[RankAssignment] = field(default_factory=list)
-    info: EngineInfo | None = None
-    instance_id: str | None = None
     error: str | None = None
     step_durations_s: dict[str, float] = field(default_factory=dict)
     placement_group: Any = None
@@ -94,6 +92,15 @@ class ReplicaGroup:
     def leader(self) -> Any:
         """DP rank 0's leader (the only one outside wide EP)."""
         return self.members[0].leader
+
+    @property
+    def info(self) -> EngineInfo | None:
+        """DP rank 0's engine (every rank of a wide-EP group has the same shape)."""
+        return self.members[0].info
+
+    @property
+    def instance_id(self) -> str | None:
+        return self.members[0].instance_id
 
     async def start(self, timeout_s: float, on_progress: Callable[[ReplicaGroup], None] | None = None) -> None:
         """Place, start and wait for the engine; raises on failure or timeout (``error`` says why)."""
@@ -154,8 +161,6 @@ class ReplicaGroup:
         infos = await asyncio.gather(*(member.leader.start.remote(master) for member in self.members))
         for member, info in zip(self.members, infos, strict=True):
             member.info = info
-        self.info = infos[0]
-        self.instance_id = self.info.vllm_instance_id
         self.step_durations_s["engine"] = time.monotonic() - began
         self.phase = EnginePhase.READY
         notify(self)
@@ -174,7 +179,6 @@ class ReplicaGroup:
             return False
         for member, leader, description in zip(self.members, leaders, descriptions, strict=True):
             member.leader, member.info = leader, description.info
-        self.info, self.instance_id = descriptions[0].info, descriptions[0].vllm_instance_id
         self.placement_group = get_placement_group(placement_group_name(self.name))
         self.phase = EnginePhase.READY
         return True

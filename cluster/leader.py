@@ -75,7 +75,7 @@ class GroupLeader:
 
     def _rank_processes(self) -> list[RankProcess]:
         ranks = self._rank_children() or self._ranks_at_start  # a rank that died may be gone from the table
-        if not ranks:  # for diagnosis: what the process tree held instead
+        if not ranks and self.phase is EnginePhase.READY:  # for diagnosis (while starting, none is expected)
             import psutil
 
             seen = {c.pid: _title(c) for c in _children(psutil.Process())}

@@ -45,20 +45,22 @@ def wait_back_in_routing(server: Server, name: str, generation: int) -> dict[str
     return group(server, name)
 
 
-def routed_to(server: Server, name: str) -> float:
+def group_metric(server: Server, metric: str, name: str) -> float:
+    """``metric`` summed over every series of the ingress's /metrics labelled with group ``name``."""
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    prefix = "flotilla_routing_decisions_total{"
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith(prefix) and f'group="{name}"' in line
+        if line.startswith(metric + "{") and f'group="{name}"' in line
     )
 
 
+def routed_to(server: Server, name: str) -> float:
+    return group_metric(server, "flotilla_routing_decisions_total", name)
+
+
 def in_flight_on(server: Server, name: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    prefix = f'flotilla_group_in_flight_requests{{group="{name}"}}'
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+    return group_metric(server, "flotilla_group_in_flight_requests", name)
 
 
 @contextmanager
