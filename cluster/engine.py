@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from flotilla.cluster.rank_probe import RANK_PROBE
+
 CPU_ENGINE_ENV = {
     # vLLM wraps VocabParallelEmbedding in torch.compile(inductor) when TP > 1: 3-4 s of
     # compile on CPU that enforce_eager does not disable.
@@ -123,6 +125,7 @@ def engine_kwargs(spec: EngineSpec, on_cpu: bool, kv_events: dict[str, Any] | No
             "tensor_parallel_size": spec.tensor_parallel_size,
             "pipeline_parallel_size": spec.pipeline_parallel_size,
             "distributed_executor_backend": vllm_executor_backend(spec),
+            "worker_extension_cls": RANK_PROBE,
         }
         | fixed
     )

@@ -36,6 +36,7 @@ from flotilla.cluster.engine import (
 )
 from flotilla.cluster.output_channel import OutputChannel
 from flotilla.cluster.ports import free_ports
+from flotilla.cluster.rank_probe import RankProbe
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class GroupLeader:
         self.vllm_instance_id: str | None = None
         self._channels: dict[str, OutputChannel] = {}
         self._scheduler_stats = SchedulerStatsRecorder()
-        self._ranks_at_start: list[tuple[str, Any]] = []
+        self._ranks: list[tuple[str, Any]] = []
 
     def describe(self) -> LeaderDescription:
         return LeaderDescription(
@@ -74,40 +75,16 @@ class GroupLeader:
         )
 
     def _rank_processes(self) -> list[RankProcess]:
-        ranks = self._rank_children() or self._ranks_at_start  # a rank that died may be gone from the table
-        if not ranks and self.phase is EnginePhase.READY:  # for diagnosis (while starting, none is expected)
-            import psutil
+        return [RankProcess(name, process.pid, _process_state(process)) for name, process in self._ranks]
 
-            seen = {c.pid: _title(c) for c in _children(psutil.Process())}
-            logger.warning(
-                "group %s: no rank process found; engine cores %s, children %s",
-                self.group_name,
-                _engine_core_pids(self.engine),
-                seen,
-            )
-        return [RankProcess(name, process.pid, _process_state(process)) for name, process in ranks]
-
-    def _rank_children(self) -> list[tuple[str, Any]]:
-        """The ``mp`` executor's worker processes (vLLM titles them ``VLLM::Worker_TP<i>``), or, with one
-        rank, the EngineCore process that runs the model itself.
-
-        EngineCore comes from the engine's own process handle, not from a scan of process titles: a
-        title can be unreadable or not yet set, and the status must still show the rank.
-        """
+    async def _ask_ranks(self) -> list[tuple[str, Any]]:
+        """The ``mp`` executor's rank processes, in rank order, as each rank reports itself (see ``rank_probe``)."""
         import psutil
 
-        cores = []
-        for pid in _engine_core_pids(self.engine):
-            try:
-                cores.append(psutil.Process(pid))
-            except psutil.Error:
-                continue
-        if not cores:  # an engine built some other way: look among this actor's children
-            cores = [c for c in _children(psutil.Process()) if "EngineCore" in _title(c)][:1]
-        if self.spec.world_size == 1:
-            return [(_title(core) or "VLLM::EngineCore", core) for core in cores[:1]]
-        workers = [c for core in cores for c in _children(core) if "Worker" in _title(c)]
-        return sorted(((_title(w), w) for w in workers), key=lambda named: named[0])
+        ranks = []
+        for pid, title in await self.engine.collective_rpc(RankProbe.flotilla_rank_process.__name__):
+            ranks.append((title, psutil.Process(pid)))
+        return ranks
 
     def data_parallel_master(self) -> tuple[str, int]:
         """Wide EP, DP rank 0: this node's address and a free port where its engine will meet the other ranks."""
@@ -128,7 +105,8 @@ class GroupLeader:
             self.phase, self.error = EnginePhase.FAILED, f"{type(err).__name__}: {err}"
             raise
         if self.spec.executor == "mp":
-            self._ranks_at_start = self._rank_children()  # kept: a rank that dies leaves the children
+            # Kept for the engine's life: a rank that dies is listed DEAD (then the group restarts).
+            self._ranks = await self._ask_ranks()
         self.phase = EnginePhase.READY
         return self.info
 
@@ -264,7 +242,7 @@ class GroupLeader:
             # tells at once (under the Ray executor the coordinator asks Ray's state API instead).
             dead = [
                 f"{name} (pid {process.pid})"
-                for name, process in self._ranks_at_start
+                for name, process in self._ranks
                 if _process_state(process) == "DEAD"
             ]
             if error is None and dead:
@@ -337,32 +315,6 @@ class SchedulerStatsRecorder:
                 pass
 
         return _Logger(vllm_config, engine_index)
-
-
-def _engine_core_pids(engine: Any) -> list[int]:
-    """PIDs of the EngineCore process(es) an ``AsyncLLM`` started (vLLM keeps their handles)."""
-    core_client = getattr(engine, "engine_core", None)
-    manager = getattr(getattr(core_client, "resources", None), "engine_manager", None)
-    return [process.pid for process in getattr(manager, "processes", None) or [] if process.pid]
-
-
-def _children(process: Any) -> list[Any]:
-    import psutil
-
-    try:
-        return list(process.children(recursive=True))
-    except psutil.Error:
-        return []
-
-
-def _title(process: Any) -> str:
-    """The process title (vLLM sets it with setproctitle); ``name()`` alone is cut at 15 characters."""
-    import psutil
-
-    try:
-        return " ".join(part for part in process.cmdline() if part) or process.name()
-    except psutil.Error:
-        return ""
 
 
 def _process_state(process: Any) -> str:

@@ -39,6 +39,7 @@ RESERVED_ENGINE_ARGS = frozenset(
         "data_parallel_rpc_port",
         "data_parallel_size_local",
         "distributed_executor_backend",
+        "worker_extension_cls",  # the leader asks its ranks who they are through it (cluster/rank_probe.py)
         "reasoning_parser",  # serving.reasoning_parser sets it for the groups and the ingress alike
     }
 )

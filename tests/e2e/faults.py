@@ -10,7 +10,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
-import psutil
 
 from devtools import REPO, Load, wait_for
 from tests.e2e.server import Server
@@ -93,23 +92,11 @@ def status(server: Server) -> list[dict[str, Any]]:
 
 
 def rank_pid(server: Server, name: str, rank: int) -> int:
-    """The rank's worker process, as ``flotilla status`` lists it. Polled: full CI runs have twice seen a
-    listing without the mp executor's rank processes (not reproduced alone); then the leader's process tree."""
-
-    def listed() -> int | None:
-        worker = next(g for g in status(server) if g["name"] == name)["ranks"][rank]["worker"]
-        return int(worker["pid"]) if worker else None
-
-    pid = wait_for(listed, 30, interval_s=1)
-    if pid:
-        return pid
+    """The rank's worker process, as ``flotilla status`` lists it (each rank reports its own pid to its leader)."""
     g = next(g for g in status(server) if g["name"] == name)
-    print(f"flotilla status lists no worker for {name} rank {rank}: {g}")
-    children = psutil.Process(int(g["leader"]["pid"])).children(recursive=True)
-    titles = {p.pid: " ".join(p.cmdline()) for p in children}  # name() is cut at 15 characters
-    ranks = [pid for pid, title in titles.items() if f"Worker_TP{rank}" in title]
-    assert len(ranks) == 1, f"{name} rank {rank}: no single worker among the leader's children: {titles}"
-    return ranks[0]
+    worker = g["ranks"][rank]["worker"]
+    assert worker and worker["pid"], f"flotilla status lists no worker for {name} rank {rank}: {g}"
+    return int(worker["pid"])
 
 
 def leader_pid(server: Server, name: str) -> int:
