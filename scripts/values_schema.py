@@ -110,7 +110,16 @@ def values_schema() -> dict[str, Any]:
         "head": _pod_placement("Ray head (kuberay mode): ingress and router.", resources),
         "worker": _pod_placement("Accelerator pods (kuberay workers; lws leaders and workers).", resources),
         "nodeLossTolerationSeconds": _int(0),
-        "kuberay": _obj({"rayVersion": NONEMPTY, "annotations": MAP}),
+        "kuberay": _obj(
+            {
+                "rayVersion": NONEMPTY,
+                "annotations": MAP,
+                "upgradeStrategy": {
+                    "enum": ["", "NewCluster", "None"],
+                    "description": "RayService spec.upgradeStrategy.type; empty: KubeRay's default (NewCluster).",
+                },
+            }
+        ),
         "lws": _obj(
             {
                 "startupPolicy": {"enum": ["LeaderCreated"], "description": "LeaderReady would deadlock."},

@@ -340,3 +340,38 @@ def test_the_wide_ep_example_renders_one_ep_group_over_two_8_gpu_pods(mode: str)
         (workers,) = cluster["workerGroupSpecs"]
         assert workers["replicas"] == 2 and workers["rayStartParams"]["num-gpus"] == "8"
         assert "wait_for_slots.py 16 " in containers(cluster["headGroupSpec"]["template"])["ray-head"]["args"][0]
+
+
+def _config_checksums(mode: str, values: dict[str, Any]) -> dict[str, str]:
+    """checksum/config of every pod template that mounts the serve config ConfigMap."""
+    serving = only(objects(mode, values), "RayService" if mode == "kuberay" else "LeaderWorkerSet")
+    sums = {}
+    for name, template in _templates(serving):
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        assert "configMap" in volumes["config"], name  # every pod mounts flotilla.yaml
+        sums[name] = template["metadata"].get("annotations", {}).get("checksum/config")
+    return sums
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_config_changes_roll_every_pod_that_mounts_it(mode: str) -> None:
+    """`helm upgrade` with a changed `config.*` changes every pod template (else nothing restarts)."""
+    before = _config_checksums(mode, {})
+    after = _config_checksums(mode, {"config": {"routing": {"policy": "least_loaded"}}})
+    again = _config_checksums(mode, {})
+    assert len(before) == 2 and all(before.values()), before
+    assert before == again  # deterministic: an unchanged config rolls nothing
+    assert all(before[name] != after[name] for name in before), (before, after)
+    engine = _config_checksums(mode, {"config": {"engine_args": {"max_model_len": 8192}}})
+    assert all(before[name] != engine[name] for name in before)
+    if mode == "lws":  # groups are LWS replicas there, not part of flotilla.yaml: scaling rolls nothing
+        assert _config_checksums(mode, {"config": {"groups": 5}}) == before
+
+
+def test_kuberay_upgrade_strategy_is_optional_and_checked() -> None:
+    assert "upgradeStrategy" not in only(objects("kuberay"), "RayService")["spec"]  # KubeRay's default
+    objs = objects("kuberay", {"kuberay": {"upgradeStrategy": "None"}})
+    assert only(objs, "RayService")["spec"]["upgradeStrategy"] == {"type": "None"}
+    assert [e for o in objs for e in validation_errors(o)] == []
+    with pytest.raises(helm.HelmValuesError, match="upgradeStrategy"):
+        helm.Chart.load(CHART).validate_schema({"kuberay": {"upgradeStrategy": "Incremental"}})

@@ -134,3 +134,24 @@ def test_ray_is_checked_against_unknown_flags() -> None:
 def test_promql_blocks_are_not_shell() -> None:
     for where, body in blocks("promql"):
         assert not re.search(r"^\s*(kubectl|ray|flotilla)\b", body, re.M), where
+
+
+def test_advice_to_change_groups_says_what_it_costs_in_kuberay_mode() -> None:
+    """In kuberay mode a changed `config.groups` builds a whole second RayCluster (2× accelerators):
+    every runbook paragraph that suggests changing it must say so."""
+    paragraphs = [
+        (path.name, para)
+        for path in runbook_files()
+        for para in re.split(r"\n\s*\n|\n(?=\d+\. |- )", path.read_text())
+        if "config.groups" in para
+    ]
+    assert paragraphs
+    silent = [(where, para) for where, para in paragraphs if "RayCluster" not in para]
+    assert silent == []
+
+
+def test_no_runbook_claims_drain_and_restart_upgrades_groups() -> None:
+    """Groups are recreated from the spec `flotilla serve` read at start-up: only new pods upgrade."""
+    text = (RUNBOOKS / "rolling-upgrade.md").read_text()
+    assert "replace groups one by one inside the\n  running cluster instead, drain and restart" not in text
+    assert "upgrades\nnothing" in text or "upgrades nothing" in text

@@ -23,6 +23,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- .Values.secrets.existingSecret | default (printf "%s-secrets" (include "flotilla.fullname" .)) -}}
 {{- end -}}
 
+{{/* Pod-template metadata of every pod that mounts the serve config: the selector labels, the
+     component, and a checksum of the ConfigMap so that a changed `config` (or wait_for_slots.py)
+     changes the pod template and rolls the pods (each mode's roll-out: deploy/helm/README.md). */}}
+{{- define "flotilla.podMetadata" -}}
+{{- $root := .root -}}
+labels:
+  {{- include "flotilla.selectorLabels" $root | nindent 2 }}
+  app.kubernetes.io/component: {{ .component }}
+annotations:
+  checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $root | sha256sum }}
+{{- end -}}
+
 {{- define "flotilla.image" -}}
 {{- printf "%s:%s" .Values.image.repository .Values.image.tag -}}
 {{- end -}}
