@@ -44,9 +44,69 @@ def _probe(description: str) -> dict[str, Any]:
     )
 
 
+STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+# Escape hatches: Kubernetes fields passed through to the pod template. Their shape is checked here
+# (so `helm install` rejects a map where a list belongs), their content by the API server.
+ENV_VAR = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {"name": NONEMPTY, "value": {"type": "string"}, "valueFrom": MAP},
+    "additionalProperties": False,
+}
+NAMED_LIST = {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {"name": NONEMPTY}}}
+VOLUME_MOUNTS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["name", "mountPath"],
+        "properties": {
+            "name": NONEMPTY,
+            "mountPath": {"type": "string", "pattern": "^/"},
+            "readOnly": {"type": "boolean"},
+        },
+    },
+}
+CAPABILITIES = _obj({"add": {"type": "array", "items": STR}, "drop": {"type": "array", "items": STR}})
+SECURITY_CONTEXT = {
+    "type": "object",
+    "properties": {"capabilities": CAPABILITIES, "privileged": {"type": "boolean"}, "runAsUser": {"type": "integer"}},
+}
+SPREAD = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["maxSkew", "topologyKey", "whenUnsatisfiable"],
+        "properties": {
+            "maxSkew": {"type": "integer", "minimum": 1},
+            "topologyKey": NONEMPTY,
+            "whenUnsatisfiable": {"enum": ["DoNotSchedule", "ScheduleAnyway"]},
+            "labelSelector": MAP,
+        },
+    },
+}
+DNS_NAME = {"type": "string", "pattern": r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$"}
+
+
 def _pod_placement(description: str, resources: dict[str, Any]) -> dict[str, Any]:
     return _obj(
-        {"resources": resources, "nodeSelector": MAP, "tolerations": LIST, "affinity": MAP}
+        {
+            "resources": resources,
+            "nodeSelector": STRING_MAP,
+            "tolerations": {"type": "array", "items": MAP},
+            "affinity": MAP,
+            "env": {"type": "array", "items": ENV_VAR},
+            "envFrom": {"type": "array", "items": MAP},
+            "securityContext": SECURITY_CONTEXT,
+            "podSecurityContext": MAP,
+            "runtimeClassName": DNS_NAME,
+            "priorityClassName": DNS_NAME,
+            "serviceAccountName": DNS_NAME,
+            "podAnnotations": STRING_MAP,
+            "podLabels": STRING_MAP,
+            "extraVolumes": NAMED_LIST,
+            "extraVolumeMounts": VOLUME_MOUNTS,
+            "topologySpreadConstraints": SPREAD,
+        }
         | ({"shmSize": QUANTITY} if "worker" in description else {}),
         description=description,
     )

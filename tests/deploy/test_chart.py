@@ -97,6 +97,25 @@ def test_every_rendered_object_validates(mode: str, values: dict[str, Any]) -> N
         ({"model": {"path": "models/x"}}, "at '/model/path'"),
         ({"metrics": {"serviceMonitor": {"interval": "15 seconds"}}}, "at '/metrics/serviceMonitor/interval'"),
         ({"replicas": 3}, "additional properties 'replicas' not allowed"),
+        # Escape hatches: Kubernetes shapes, checked before anything renders.
+        ({"worker": {"env": {"NCCL_DEBUG": "INFO"}}}, "at '/worker/env': got object, want array"),
+        ({"head": {"env": [{"value": "x"}]}}, "at '/head/env/0': missing property 'name'"),
+        (
+            {"worker": {"securityContext": {"capabilities": {"add": "IPC_LOCK"}}}},
+            "at '/worker/securityContext/capabilities/add': got string, want array",
+        ),
+        ({"head": {"podAnnotations": {"x": 1}}}, "at '/head/podAnnotations/x': got number, want string"),
+        (
+            {"worker": {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone"}]}},
+            "at '/worker/topologySpreadConstraints/0': missing property 'whenUnsatisfiable'",
+        ),
+        ({"worker": {"runtimeClassName": "Nvidia Runtime"}}, "at '/worker/runtimeClassName'"),
+        (
+            {"worker": {"extraVolumeMounts": [{"name": "x", "mountPath": "rel"}]}},
+            "at '/worker/extraVolumeMounts/0/mountPath'",
+        ),
+        ({"worker": {"extraVolumes": [{"emptyDir": {}}]}}, "at '/worker/extraVolumes/0': missing property 'name'"),
+        ({"worker": {"hostNetwork": True}}, "at '/worker': additional properties 'hostNetwork' not allowed"),
     ],
 )
 def test_schema_rejects_bad_values_with_readable_errors(values: dict[str, Any], message: str) -> None:
@@ -375,3 +394,114 @@ def test_kuberay_upgrade_strategy_is_optional_and_checked() -> None:
     assert [e for o in objs for e in validation_errors(o)] == []
     with pytest.raises(helm.HelmValuesError, match="upgradeStrategy"):
         helm.Chart.load(CHART).validate_schema({"kuberay": {"upgradeStrategy": "Incremental"}})
+
+
+# Every escape hatch at once, as an RDMA/InfiniBand GPU cluster would set them.
+HATCHES: dict[str, Any] = {
+    "head": {
+        "env": [{"name": "RAY_LOG_TO_STDERR", "value": "1"}],
+        "priorityClassName": "flotilla-head",
+        "podAnnotations": {"example.com/owner": "sre"},
+        "podLabels": {"team": "inference"},
+        "serviceAccountName": "flotilla",
+    },
+    "worker": {
+        "env": [
+            {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"},
+            {"name": "GLOO_SOCKET_IFNAME", "value": "eth0"},
+            {"name": "NCCL_IB_HCA", "value": "mlx5"},
+            {"name": "NCCL_DEBUG", "value": "INFO"},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        ],
+        "envFrom": [{"configMapRef": {"name": "nccl-tuning"}}],
+        "resources": {"limits": {"rdma/ib": 1}, "requests": {"cpu": "32", "memory": "256Gi"}},
+        "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+        "podSecurityContext": {"fsGroup": 1000},
+        "runtimeClassName": "nvidia",
+        "priorityClassName": "gpu-serving",
+        "podAnnotations": {"k8s.v1.cni.cncf.io/networks": "rdma-net"},
+        "podLabels": {"team": "inference", "app.kubernetes.io/component": "hijack"},
+        "extraVolumes": [{"name": "ib", "hostPath": {"path": "/dev/infiniband"}}],
+        "extraVolumeMounts": [{"name": "ib", "mountPath": "/dev/infiniband"}],
+        "topologySpreadConstraints": [
+            {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}
+        ],
+        "nodeSelector": {"nvidia.com/gpu.product": "H100"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    },
+}
+
+
+COMPONENTS = {"head": "head", "worker group accelerators": "worker", "leader": "leader", "worker": "worker"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_escape_hatches_reach_every_pod_template_and_validate(mode: str) -> None:
+    objs = objects(mode, HATCHES)
+    assert [e for o in objs for e in validation_errors(o)] == []  # KubeRay/LWS CRDs + strict PodTemplate
+    report = helm.lint(CHART, {"mode": mode} | HATCHES, strict=True)
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == []
+    serving = only(objs, "RayService" if mode == "kuberay" else "LeaderWorkerSet")
+    templates = dict(_templates(serving))
+    roles = (
+        {"head": "head", "worker group accelerators": "worker"}
+        if mode == "kuberay"
+        else {
+            "leader": "worker",
+            "worker": "worker",
+        }
+    )
+    assert set(templates) == set(roles)
+    for name, role in roles.items():
+        hatch, template = HATCHES[role], templates[name]
+        spec, meta = template["spec"], template["metadata"]
+        (container,) = spec["containers"]
+        env = [e["name"] for e in container["env"]]
+        wanted = [e["name"] for e in hatch["env"]]
+        assert env[-len(wanted) :] == wanted, name  # after the chart's own
+        assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" in env and "HF_TOKEN" in env, name  # chart's still there
+        assert spec["priorityClassName"] == hatch["priorityClassName"], name
+        assert (
+            hatch["podAnnotations"].items() <= meta["annotations"].items() and "checksum/config" in meta["annotations"]
+        )
+        assert meta["labels"]["team"] == "inference"
+        assert meta["labels"]["app.kubernetes.io/component"] == COMPONENTS[name]  # not the podLabel
+        if role == "worker":
+            assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+            assert container["resources"]["limits"]["rdma/ib"] == 1
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == 8  # the chart's own limit kept
+            assert container["envFrom"] == hatch["envFrom"]
+            assert spec["runtimeClassName"] == "nvidia" and spec["securityContext"] == {"fsGroup": 1000}
+            assert {"name": "ib", "hostPath": {"path": "/dev/infiniband"}} in spec["volumes"]
+            assert {"name": "ib", "mountPath": "/dev/infiniband"} in container["volumeMounts"]
+            assert {v["name"] for v in spec["volumes"]} >= {"config", "model", "dshm"}
+            (spread,) = spec["topologySpreadConstraints"]
+            assert spread["labelSelector"]["matchLabels"] == {
+                "app.kubernetes.io/name": "flotilla",
+                "app.kubernetes.io/instance": "flotilla",
+                "app.kubernetes.io/component": meta["labels"]["app.kubernetes.io/component"],
+            }
+            assert spec["nodeSelector"] == hatch["nodeSelector"]
+            assert hatch["tolerations"][0] in spec["tolerations"]
+            assert any(t["key"] == "node.kubernetes.io/unreachable" for t in spec["tolerations"])
+        else:
+            assert spec["serviceAccountName"] == "flotilla"
+            assert "runtimeClassName" not in spec and "securityContext" not in container
+    # The Service still selects exactly the serving pods (a podLabel cannot steal the component).
+    selector = only(objs, "Service")["spec"]["selector"]
+    assert [n for n, t in templates.items() if selector.items() <= t["metadata"]["labels"].items()] == [
+        "head" if mode == "kuberay" else "leader"
+    ]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_bad_hatch_fails_helm_template(mode: str) -> None:
+    """Helm's own render (`helm template`/`install`) checks values.schema.json before anything renders."""
+    chart = helm.Chart.load(CHART)
+    for bad, where in [
+        ({"worker": {"env": {"NCCL_DEBUG": "INFO"}}}, "/worker/env"),
+        ({"worker": {"securityContext": {"capabilities": {"add": "IPC_LOCK"}}}}, "/worker/securityContext"),
+        ({"head": {"priorityClassName": 7}}, "/head/priorityClassName"),
+    ]:
+        with pytest.raises(helm.HelmValuesError, match=where):
+            chart.render({"mode": mode} | bad, name="flotilla", namespace="default", is_install=True)

@@ -23,16 +23,115 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- .Values.secrets.existingSecret | default (printf "%s-secrets" (include "flotilla.fullname" .)) -}}
 {{- end -}}
 
-{{/* Pod-template metadata of every pod that mounts the serve config: the selector labels, the
-     component, and a checksum of the ConfigMap so that a changed `config` (or wait_for_slots.py)
-     changes the pod template and rolls the pods (each mode's roll-out: deploy/helm/README.md). */}}
+{{/* Values of one pod role: "head" (kuberay head) or "worker" (kuberay workers, lws leaders and workers). */}}
+{{- define "flotilla.role" -}}
+{{- toYaml (get .root.Values .role) -}}
+{{- end -}}
+
+{{/* Pod-template metadata of every pod that mounts the serve config: the role's podLabels and
+     podAnnotations (the chart's own keys win), the selector labels, the component, and a checksum of
+     the ConfigMap so that a changed `config` (or wait_for_slots.py) changes the pod template and
+     rolls the pods (each mode's roll-out: deploy/helm/README.md). Args: root, role, component. */}}
 {{- define "flotilla.podMetadata" -}}
 {{- $root := .root -}}
+{{- $role := fromYaml (include "flotilla.role" .) -}}
+{{- $labels := fromYaml (include "flotilla.selectorLabels" $root) -}}
+{{- $_ := set $labels "app.kubernetes.io/component" .component -}}
+{{- $checksum := include (print $root.Template.BasePath "/configmap.yaml") $root | sha256sum -}}
+{{- $annotations := dict "checksum/config" $checksum -}}
 labels:
-  {{- include "flotilla.selectorLabels" $root | nindent 2 }}
-  app.kubernetes.io/component: {{ .component }}
+  {{- toYaml (merge $labels ($role.podLabels | default dict)) | nindent 2 }}
 annotations:
-  checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $root | sha256sum }}
+  {{- toYaml (merge $annotations ($role.podAnnotations | default dict)) | nindent 2 }}
+{{- end -}}
+
+{{/* Pod-spec fields every pod template shares, from the role's values (escape hatches included).
+     Args: root, role, component. */}}
+{{- define "flotilla.podSpec" -}}
+{{- $root := .root -}}
+{{- $role := fromYaml (include "flotilla.role" .) -}}
+terminationGracePeriodSeconds: {{ $root.Values.terminationGracePeriodSeconds }}
+{{- with $root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $role.serviceAccountName }}
+serviceAccountName: {{ . }}
+{{- end }}
+{{- with $role.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with $role.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with $role.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $role.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $role.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+tolerations:
+  {{- include "flotilla.nodeLossTolerations" $root | nindent 2 }}
+  {{- with $role.tolerations }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with $role.topologySpreadConstraints }}
+{{- $selector := fromYaml (include "flotilla.selectorLabels" $root) }}
+{{- $_ := set $selector "app.kubernetes.io/component" $.component }}
+topologySpreadConstraints:
+{{- range . }}
+{{- $constraint := deepCopy . }}
+{{- if not (hasKey $constraint "labelSelector") }}
+{{- $_ := set $constraint "labelSelector" (dict "matchLabels" $selector) }}
+{{- end }}
+  - {{- toYaml $constraint | nindent 4 }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Container fields from the role's values: securityContext (e.g. IPC_LOCK for RDMA). */}}
+{{- define "flotilla.containerSecurity" -}}
+{{- $role := fromYaml (include "flotilla.role" .) -}}
+{{- with $role.securityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The role's extra environment (NCCL and GLOO interfaces, NCCL_DEBUG, …), after the chart's own. */}}
+{{- define "flotilla.extraEnv" -}}
+{{- $role := fromYaml (include "flotilla.role" .) -}}
+{{- with $role.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "flotilla.extraEnvFrom" -}}
+{{- $role := fromYaml (include "flotilla.role" .) -}}
+{{- with $role.envFrom }}
+envFrom:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "flotilla.extraVolumeMounts" -}}
+{{- $role := fromYaml (include "flotilla.role" .) -}}
+{{- with $role.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "flotilla.extraVolumes" -}}
+{{- $role := fromYaml (include "flotilla.role" .) -}}
+{{- with $role.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
 {{- end -}}
 
 {{- define "flotilla.image" -}}
