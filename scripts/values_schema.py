@@ -170,10 +170,28 @@ def values_schema() -> dict[str, Any]:
         "head": _pod_placement("Ray head (kuberay mode): ingress and router.", resources),
         "worker": _pod_placement("Accelerator pods (kuberay workers; lws leaders and workers).", resources),
         "nodeLossTolerationSeconds": _int(0),
+        "waitForWorkersSeconds": _int(
+            60, description="How long the head / an LWS leader waits for the workers' accelerator slots."
+        ),
         "kuberay": _obj(
             {
                 "rayVersion": NONEMPTY,
                 "annotations": MAP,
+                "gcsFaultTolerance": _obj(
+                    {
+                        "enabled": {"type": "boolean"},
+                        "redisAddress": {"type": "string", "pattern": r"^([^\s:]+:[0-9]+)?$"},
+                        "redisPassword": {
+                            "oneOf": [
+                                {"type": "object", "maxProperties": 0},
+                                _obj({"name": NONEMPTY, "key": NONEMPTY}, ("name", "key")),
+                            ],
+                            "description": "Secret key holding the Redis password: {name, key}.",
+                        },
+                        "externalStorageNamespace": STR,
+                    },
+                    description="KubeRay gcsFaultToleranceOptions with an external Redis.",
+                ),
                 "upgradeStrategy": {
                     "enum": ["", "NewCluster", "None"],
                     "description": "RayService spec.upgradeStrategy.type; empty: KubeRay's default (NewCluster).",
@@ -194,13 +212,21 @@ def values_schema() -> dict[str, Any]:
         ),
         "probes": _obj(
             {
-                "startup": _probe("Budget for weight download and load."),
-                "liveness": _probe("Ingress process alive (/v1/models)."),
+                "startup": _probe("Budget for Ray start, workers joining, weight load and warm-up."),
+                "liveness": _probe("Ray GCS alive (dashboard /api/gcs_healthz), off the data path."),
                 "readiness": _probe("At least one routable group (/health)."),
+                "worker": _probe("Accelerator pods without HTTP: the raylet (dashboard agent)."),
             },
             ("startup", "liveness", "readiness"),
         ),
         "terminationGracePeriodSeconds": _int(0),
+        "pdb": _obj(
+            {
+                "enabled": {"type": "boolean"},
+                "maxUnavailable": {"type": ["integer", "string"], "minimum": 1, "pattern": "^[0-9]+%$"},
+                "protectHead": {"type": "boolean"},
+            }
+        ),
         "service": _obj(
             {
                 "type": {"enum": ["ClusterIP", "NodePort", "LoadBalancer"]},

@@ -6,6 +6,7 @@ Every rendered object is checked against Kubernetes' strict schemas and the Kube
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import helm_python as helm
@@ -226,8 +227,15 @@ def test_probes_leave_room_for_slow_model_loads(mode: str) -> None:
     template = dict(_templates(serving))[name]
     (container,) = template["spec"]["containers"]
     startup = container["startupProbe"]
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
-    assert container["livenessProbe"]["httpGet"]["path"] == "/version"  # alive even with no ready group, open
+    config = serve_config(objs)
+    wait_s = int(re.search(r"wait_for_slots.py \d+ (\d+) ", container["args"][0]).group(1))
+    # The probe outlasts both of Flotilla's own deadlines: workers joining, then the groups' start.
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= wait_s + config.startup_timeout_s
+    # Liveness reads Ray's GCS through the dashboard, never the ingress (the data path): a slow
+    # ingress must not restart the head and with it every group.
+    liveness = container["livenessProbe"]["httpGet"]
+    assert (liveness["path"], liveness["port"]) == ("/api/gcs_healthz", "dashboard")
+    assert "dashboard" in {p["name"] for p in container["ports"]}
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"  # 503 without a routable group
     tolerations = {t["key"]: t["tolerationSeconds"] for t in template["spec"]["tolerations"]}
     assert tolerations["node.kubernetes.io/unreachable"] == 60
@@ -505,3 +513,98 @@ def test_a_bad_hatch_fails_helm_template(mode: str) -> None:
     ]:
         with pytest.raises(helm.HelmValuesError, match=where):
             chart.render({"mode": mode} | bad, name="flotilla", namespace="default", is_install=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_startup_budget_below_flotillas_own_deadlines_is_refused(mode: str) -> None:
+    values = {"config": {"startup_timeout_s": 3600}, "probes": {"startup": {"failureThreshold": 360}}}
+    with pytest.raises(helm.HelmRenderError, match=r"probes.startup allows 3600 s .* may need 4560 s"):
+        objects(mode, values)
+    values["probes"]["startup"]["failureThreshold"] = 456
+    objects(mode, values)  # exactly enough renders
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_accelerator_pods_have_explicit_raylet_probes(mode: str) -> None:
+    """KubeRay injects wget-based probes (and a Serve proxy check on RayService workers) into any
+    worker container without its own; Flotilla's proxy runs on the head only, so they would stay
+    NotReady. Workers get explicit probes of their raylet instead."""
+    serving = only(objects(mode), "RayService" if mode == "kuberay" else "LeaderWorkerSet")
+    name = "worker group accelerators" if mode == "kuberay" else "worker"
+    (container,) = dict(_templates(serving))[name]["spec"]["containers"]
+    probes = ("readinessProbe", "livenessProbe", "startupProbe") if mode == "kuberay" else ("readinessProbe",)
+    for probe in probes:
+        assert container[probe]["httpGet"] == {"path": "/api/local_raylet_healthz", "port": 52365}, probe
+        assert "exec" not in container[probe]
+    if mode == "lws":  # a liveness kill while waiting for the leader would recreate the whole group
+        assert "livenessProbe" not in container and "--block" in container["args"][0]
+
+
+def test_kuberay_head_takes_no_ray_cpus() -> None:
+    cluster = only(objects("kuberay"), "RayService")["spec"]["rayClusterConfig"]
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    head = containers(cluster["headGroupSpec"]["template"])["ray-head"]
+    assert "--num-cpus=0" in head["args"][0]  # our own `ray start`: KubeRay does not rewrite it
+    lws = only(objects("lws"), "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
+    assert "--num-cpus" not in containers(lws["leaderTemplate"])["flotilla"]["args"][0]  # leaders hold ranks
+
+
+def test_gcs_fault_tolerance_is_optional_and_uses_a_secret() -> None:
+    assert "gcsFaultToleranceOptions" not in only(objects("kuberay"), "RayService")["spec"]["rayClusterConfig"]
+    values = {
+        "kuberay": {
+            "gcsFaultTolerance": {
+                "enabled": True,
+                "redisAddress": "redis.flotilla.svc:6379",
+                "redisPassword": {"name": "redis", "key": "password"},
+                "externalStorageNamespace": "flotilla-prod",
+            }
+        }
+    }
+    objs = objects("kuberay", values)
+    assert [e for o in objs for e in validation_errors(o)] == []  # the field is in the RayCluster CRD
+    cluster = only(objs, "RayService")["spec"]["rayClusterConfig"]
+    assert cluster["gcsFaultToleranceOptions"] == {
+        "redisAddress": "redis.flotilla.svc:6379",
+        "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "redis", "key": "password"}}},
+        "externalStorageNamespace": "flotilla-prod",
+    }
+    head = containers(cluster["headGroupSpec"]["template"])["ray-head"]["args"][0]
+    assert '--redis-password="${REDIS_PASSWORD}"' in head
+    chart = helm.Chart.load(CHART)
+    with pytest.raises(helm.HelmValuesError, match="redisPassword"):
+        chart.validate_schema({"kuberay": {"gcsFaultTolerance": {"redisPassword": "hunter2"}}})
+    with pytest.raises(helm.HelmRenderError, match="redisAddress is required"):
+        objects("kuberay", {"kuberay": {"gcsFaultTolerance": {"enabled": True}}})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_disruption_budget_covers_the_accelerator_pods(mode: str) -> None:
+    objs = objects(mode)
+    assert [e for o in objs for e in validation_errors(o)] == []
+    (pdb,) = by_kind(objs, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    selector = pdb["spec"]["selector"]
+    serving = only(objs, "RayService" if mode == "kuberay" else "LeaderWorkerSet")
+
+    def selected(labels: dict[str, str]) -> bool:
+        ok = selector["matchLabels"].items() <= labels.items()
+        return ok and all(labels.get(e["key"]) in e["values"] for e in selector["matchExpressions"])
+
+    covered = sorted(name for name, t in _templates(serving) if selected(t["metadata"]["labels"]))
+    assert covered == (["worker group accelerators"] if mode == "kuberay" else ["leader", "worker"])
+    assert by_kind(objects(mode, {"pdb": {"enabled": False}}), "PodDisruptionBudget") == []
+    if mode == "kuberay":
+        budgets = by_kind(objects(mode, {"pdb": {"protectHead": True}}), "PodDisruptionBudget")
+        head = next(b for b in budgets if b["metadata"]["name"].endswith("-head"))
+        assert head["spec"]["minAvailable"] == 1
+        assert head["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "head"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chart_defaults_use_production_recovery_deadlines(mode: str) -> None:
+    """Flotilla's built-in 3 s / 4 s deadlines fit tiny CPU models; a big GPU group would be
+    gang-restarted on a short stall."""
+    recovery = serve_config(objects(mode)).coordinator
+    assert recovery.health_timeout_s >= 30 and recovery.hang_timeout_s >= 120
+    assert recovery.health_period_s < recovery.health_timeout_s

@@ -270,13 +270,19 @@ envFrom:
 
 {{/* Probes of the container that serves HTTP. Port names are KubeRay's (serve, gcs-server, …). */}}
 {{- define "flotilla.httpProbes" -}}
+{{- $startup := .Values.probes.startup -}}
+{{- $budget := mul (int $startup.periodSeconds) (int $startup.failureThreshold) -}}
+{{- $need := add (int .Values.waitForWorkersSeconds) (int (.Values.config.startup_timeout_s | default 900)) 60 -}}
+{{- if lt $budget $need -}}
+{{- fail (printf "probes.startup allows %d s (periodSeconds × failureThreshold) but the pod may need %d s: waitForWorkersSeconds (%d) + config.startup_timeout_s (%d) + 60 s for Ray; raise probes.startup.failureThreshold" $budget $need (int .Values.waitForWorkersSeconds) (int (.Values.config.startup_timeout_s | default 900))) -}}
+{{- end -}}
 startupProbe:
   httpGet: {path: /health, port: serve}
   periodSeconds: {{ .Values.probes.startup.periodSeconds }}
   failureThreshold: {{ .Values.probes.startup.failureThreshold }}
   timeoutSeconds: {{ .Values.probes.startup.timeoutSeconds }}
 livenessProbe:
-  httpGet: {path: /version, port: serve}
+  httpGet: {path: /api/gcs_healthz, port: dashboard}
   periodSeconds: {{ .Values.probes.liveness.periodSeconds }}
   failureThreshold: {{ .Values.probes.liveness.failureThreshold }}
   timeoutSeconds: {{ .Values.probes.liveness.timeoutSeconds }}
@@ -285,6 +291,41 @@ readinessProbe:
   periodSeconds: {{ .Values.probes.readiness.periodSeconds }}
   failureThreshold: {{ .Values.probes.readiness.failureThreshold }}
   timeoutSeconds: {{ .Values.probes.readiness.timeoutSeconds }}
+{{- end -}}
+
+{{/* Probes of accelerator pods that serve no HTTP: the local raylet, through the dashboard agent.
+     Args: root, liveness. kuberay workers get all three (KubeRay would inject its own liveness and
+     readiness otherwise; the startup probe keeps liveness off until the raylet first answers). lws
+     workers get readiness only: their container is `ray start --block`, so a dead raylet already
+     restarts it, and a liveness failure while a worker still waits for its leader would recreate
+     the whole LWS group. */}}
+{{- define "flotilla.workerProbes" -}}
+{{- $p := .root.Values.probes.worker -}}
+{{- $get := dict "path" "/api/local_raylet_healthz" "port" 52365 -}}
+{{- if .liveness }}
+startupProbe:
+  httpGet: {{ toJson $get }}
+  periodSeconds: 10
+  failureThreshold: {{ add 6 (div (int .root.Values.waitForWorkersSeconds) 10) }}
+  timeoutSeconds: {{ $p.timeoutSeconds }}
+livenessProbe:
+  httpGet: {{ toJson $get }}
+  periodSeconds: {{ $p.periodSeconds }}
+  failureThreshold: {{ $p.failureThreshold }}
+  timeoutSeconds: {{ $p.timeoutSeconds }}
+{{- end }}
+readinessProbe:
+  httpGet: {{ toJson $get }}
+  periodSeconds: {{ $p.periodSeconds }}
+  failureThreshold: {{ $p.failureThreshold }}
+  timeoutSeconds: {{ $p.timeoutSeconds }}
+{{- end -}}
+
+{{/* The head's ray start flags for GCS fault tolerance: KubeRay sets RAY_REDIS_ADDRESS and
+     REDIS_PASSWORD in the head container, but only adds --redis-password to commands it writes. */}}
+{{- define "flotilla.redisPasswordFlag" -}}
+{{- $ft := .Values.kuberay.gcsFaultTolerance -}}
+{{- if and $ft.enabled $ft.redisPassword }} --redis-password="${REDIS_PASSWORD}"{{ end -}}
 {{- end -}}
 
 {{- define "flotilla.ports" -}}
