@@ -162,7 +162,16 @@ def values_schema() -> dict[str, Any]:
                     "maxProperties": 1,
                     "description": "One Kubernetes volume source instead of existingClaim, e.g. emptyDir.",
                 },
-                "download": _obj({"repo": STR, "revision": NONEMPTY}),
+                "download": _obj(
+                    {
+                        "repo": STR,
+                        "revision": {
+                            "type": "string",
+                            "pattern": "^([0-9a-f]{40})?$",
+                            "description": "The commit to download (40 hex characters); required with repo.",
+                        },
+                    }
+                ),
             },
             ("path", "mountPath"),
         ),

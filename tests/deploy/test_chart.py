@@ -19,13 +19,17 @@ from scripts.render_manifests import CHART, rendered_objects
 from tests.deploy.k8s_schemas import validation_errors
 
 MODES = ("kuberay", "lws")
+REVISION = "0e9e39f249a16976918f6564b8830bc894c89659"
 MONITORING = {
     "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}},
     "grafana": {"dashboards": {"enabled": True}},
 }
 # Values a real user might set, to exercise optional branches of the templates.
 RICH = MONITORING | {
-    "model": {"download": {"repo": "meta-llama/Llama-3.1-8B-Instruct"}, "volume": {"emptyDir": {}}},
+    "model": {
+        "download": {"repo": "meta-llama/Llama-3.1-8B-Instruct", "revision": REVISION},
+        "volume": {"emptyDir": {"sizeLimit": "40Gi"}},
+    },
     "secrets": {"adminToken": "s3cret", "hfToken": "hf_x"},
     "imagePullSecrets": [{"name": "registry"}],
     "lws": {"exclusiveTopology": "cloud.google.com/gke-nodepool"},
@@ -608,3 +612,56 @@ def test_chart_defaults_use_production_recovery_deadlines(mode: str) -> None:
     recovery = serve_config(objects(mode)).coordinator
     assert recovery.health_timeout_s >= 30 and recovery.hang_timeout_s >= 120
     assert recovery.health_period_s < recovery.health_timeout_s
+
+
+HOST_CACHE = {"hostPath": {"path": "/var/lib/flotilla/models", "type": "DirectoryOrCreate"}}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_downloads_are_pinned_resumable_and_once_per_node(mode: str) -> None:
+    values = {"model": {"download": {"repo": "org/model", "revision": REVISION}, "volume": HOST_CACHE}}
+    objs = objects(mode, values)
+    assert [e for o in objs for e in validation_errors(o)] == []
+    serving = only(objs, "RayService" if mode == "kuberay" else "LeaderWorkerSet")
+    for name, template in _templates(serving):
+        (init,) = template["spec"]["initContainers"]
+        script = init["args"][0]
+        assert f'"org/model", "{REVISION}"' in script and "revision=revision" in script, name
+        assert "fcntl.flock" in script and ".flotilla-downloaded-" in script, name  # once per node and revision
+        assert script.index("snapshot_download(repo") < script.index("done.touch()"), name  # marker last
+        token = next(e for e in init["env"] if e["name"] == "HF_TOKEN")["valueFrom"]["secretKeyRef"]
+        assert token["key"] == "hf-token"
+        model = next(v for v in template["spec"]["volumes"] if v["name"] == "model")
+        assert model["hostPath"] == HOST_CACHE["hostPath"]
+    compile(script, "download-model", "exec")  # the init script is valid Python
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"download": {"repo": "org/model"}}, "model.download.revision must be the 40-character commit"),
+        (
+            {"download": {"repo": "org/model", "revision": REVISION}, "volume": {"emptyDir": {}}},
+            "model.volume.emptyDir needs a sizeLimit",
+        ),
+    ],
+)
+def test_unpinned_or_unbounded_downloads_are_refused(model: dict[str, Any], message: str) -> None:
+    for mode in MODES:
+        with pytest.raises(helm.HelmRenderError, match=message):
+            objects(mode, {"model": model})
+
+
+def test_a_branch_is_not_a_revision() -> None:
+    with pytest.raises(helm.HelmValuesError, match="/model/download/revision"):
+        helm.Chart.load(CHART).validate_schema({"model": {"download": {"repo": "org/model", "revision": "main"}}})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_default_claim_is_mounted_read_only_everywhere(mode: str) -> None:
+    """Pods on several nodes mount it: read-only (a ReadOnlyMany or ReadWriteMany claim), never written."""
+    serving = only(objects(mode), "RayService" if mode == "kuberay" else "LeaderWorkerSet")
+    for name, template in _templates(serving):
+        model = next(v for v in template["spec"]["volumes"] if v["name"] == "model")
+        assert model["persistentVolumeClaim"] == {"claimName": "flotilla-models", "readOnly": True}, name
+        assert "initContainers" not in template["spec"]

@@ -228,12 +228,16 @@ envFrom:
 {{- end -}}
 
 {{- define "flotilla.volumes" -}}
+{{- $volume := .Values.model.volume -}}
+{{- if and (hasKey $volume "emptyDir") (not ($volume.emptyDir | default dict).sizeLimit) -}}
+{{- fail "model.volume.emptyDir needs a sizeLimit (the model's size plus headroom): without one a download can fill the node's disk" -}}
+{{- end -}}
 - name: config
   configMap:
     name: {{ include "flotilla.fullname" . }}-config
 - name: model
-{{- if .Values.model.volume }}
-{{ toYaml .Values.model.volume | indent 2 }}
+{{- if $volume }}
+{{ toYaml $volume | indent 2 }}
 {{- else }}
   persistentVolumeClaim:
     claimName: {{ required "model.existingClaim or model.volume must say where the model is" .Values.model.existingClaim }}
@@ -250,21 +254,35 @@ envFrom:
 {{- end -}}
 
 {{- define "flotilla.downloadInit" -}}
-{{- if .Values.model.download.repo }}
+{{- with .Values.model.download }}
+{{- if .repo }}
+{{- if not (regexMatch "^[0-9a-f]{40}$" (.revision | default "")) }}
+{{- fail (printf "model.download.revision must be the 40-character commit of %s to download (got %q): every pod, now and after any restart, must load the same weights" .repo (.revision | default "")) }}
+{{- end }}
 - name: download-model
-  image: {{ include "flotilla.image" . }}
-  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  image: {{ include "flotilla.image" $ }}
+  imagePullPolicy: {{ $.Values.image.pullPolicy }}
   command: [python, -c]
   args:
     - |
-      import os
+      import fcntl, pathlib
       from huggingface_hub import snapshot_download
-      snapshot_download({{ .Values.model.download.repo | quote }}, revision={{ .Values.model.download.revision | quote }}, local_dir={{ .Values.model.path | quote }})
+      repo, revision, path = {{ .repo | quote }}, {{ .revision | quote }}, pathlib.Path({{ $.Values.model.path | quote }})
+      path.mkdir(parents=True, exist_ok=True)
+      done = path / f".flotilla-downloaded-{revision}"
+      with open(path.parent / ".flotilla-download.lock", "w") as lock:
+          fcntl.flock(lock, fcntl.LOCK_EX)  # pods sharing the volume on one node download once
+          if done.exists():
+              print(f"{repo}@{revision} already in {path}")
+          else:
+              snapshot_download(repo, revision=revision, local_dir=path)
+              done.touch()  # last: a download cut short is resumed by the next pod
   env:
-{{ include "flotilla.secretEnv" . | indent 4 }}
+{{ include "flotilla.secretEnv" $ | indent 4 }}
   volumeMounts:
     - name: model
-      mountPath: {{ .Values.model.mountPath }}
+      mountPath: {{ $.Values.model.mountPath }}
+{{- end }}
 {{- end }}
 {{- end -}}
 
