@@ -63,7 +63,48 @@ def test_rules_file_passes_promtool(prometheus_bin) -> None:
         [promtool, "check", "rules", render_manifests.RULES], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 9 rules found" in result.stdout
+    assert "SUCCESS: 10 rules found" in result.stdout
+
+
+def test_rules_unit_tests_pass(prometheus_bin) -> None:
+    """deploy/prometheus/flotilla-rules.test.yaml: the error-rate traffic guard, the scoped absent()
+    and the target-down alert, each firing where it must and quiet where it must."""
+    promtool = prometheus_bin.parent / "promtool"
+    tests = render_manifests.RULES.with_name("flotilla-rules.test.yaml")
+    result = subprocess.run([promtool, "test", "rules", tests], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    alerts = {
+        a
+        for group in yaml.safe_load(tests.read_text())["tests"]
+        for t in group["alert_rule_test"]
+        for a in [t["alertname"]]
+    }
+    assert {"FlotillaHighErrorRate", "FlotillaTargetDown", "FlotillaMetricsMissing"} <= alerts
+
+
+def test_alerts_are_scoped_to_flotillas_jobs() -> None:
+    rules = {
+        r["alert"]: r["expr"] for g in yaml.safe_load(render_manifests.RULES.read_text())["groups"] for r in g["rules"]
+    }
+    for selector in re.findall(r"absent\(([^)]*)\)", rules["FlotillaMetricsMissing"]):
+        assert 'job=~".*flotilla.*"' in selector, selector
+    selectors = re.findall(r"absent\(([^)]*)\)", rules["FlotillaMetricsMissing"])
+    assert len(selectors) == 2
+    assert rules["FlotillaTargetDown"].endswith('(up{job=~".*flotilla.*"}) == 0')
+    assert ">= 0.1" in rules["FlotillaHighErrorRate"]  # the minimum-traffic guard
+
+
+@pytest.mark.parametrize("path", PLAIN_MANIFESTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_plain_manifests_render_no_null_fields(path: Path) -> None:
+    assert not re.search(r":\s+null\s*$", path.read_text(), re.M)
+    assert "Secret" not in {o["kind"] for o in yaml.safe_load_all(path.read_text()) if o}  # kubectl create secret
+
+
+def test_the_secret_holds_only_what_was_given() -> None:
+    assert "Secret" not in {o["kind"] for o in render_manifests.rendered_objects({})}
+    objs = render_manifests.rendered_objects({"secrets": {"hfToken": "hf_x"}})
+    (secret,) = [o for o in objs if o["kind"] == "Secret"]
+    assert set(secret["data"]) == {"hf-token"}
 
 
 def test_image_recipe_matches_the_project_and_its_users() -> None:
