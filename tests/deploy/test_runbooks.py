@@ -155,3 +155,70 @@ def test_no_runbook_claims_drain_and_restart_upgrades_groups() -> None:
     text = (RUNBOOKS / "rolling-upgrade.md").read_text()
     assert "replace groups one by one inside the\n  running cluster instead, drain and restart" not in text
     assert "upgrades\nnothing" in text or "upgrades nothing" in text
+
+
+# `ray` subcommands of the cluster launcher, run on the operator's machine with a cluster YAML.
+RAY_LAUNCHER = {"exec", "up", "down", "attach", "submit", "rsync-up", "rsync-down", "get-head-ip", "monitor"}
+# `flotilla` subcommands that need no cluster (they run anywhere).
+FLOTILLA_OFFLINE = {"plan", "eplb-demo", "make-model"}
+
+
+def test_commands_that_need_the_cluster_say_where_they_run() -> None:
+    """`ray status`, `ray list …`, `flotilla status` … read the running Ray cluster: typed on an
+    operator's machine they fail or, worse, read another cluster. They must name `kubectl exec … --`
+    (or `ray exec <cluster.yaml>` for `ray up` clusters)."""
+    bare = []
+    for where, argv in shell_commands():
+        program = argv[0].rsplit("/", 1)[-1]
+        sub = next((w for w in argv[1:] if not w.startswith("-")), "")
+        if program == "ray" and sub not in RAY_LAUNCHER:
+            bare.append(f"{where}: {' '.join(argv)}")
+        if program == "flotilla" and sub not in FLOTILLA_OFFLINE:
+            bare.append(f"{where}: {' '.join(argv)}")
+    assert bare == []
+    inside = [(where, args) for where, args in _ray_commands() if args[0] not in RAY_LAUNCHER]
+    assert inside  # the ray commands are still there, behind kubectl exec
+    assert all(where for where, _ in inside)
+
+
+def test_the_checks_above_fail_on_a_bare_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tests.deploy.test_runbooks as module
+
+    monkeypatch.setattr(module, "shell_commands", lambda: [("x.md", ["ray", "status"])])
+    with pytest.raises(AssertionError):
+        test_commands_that_need_the_cluster_say_where_they_run()
+
+
+def test_cordoning_is_never_said_to_move_a_group() -> None:
+    """A cordon only keeps new pods off a node: the group's pods (and so its ranks) stay on it."""
+    paragraphs = [
+        (path.name, para)
+        for path in runbook_files()
+        for para in re.split(r"\n\s*\n|\n(?=\d+\. |- )", path.read_text())
+        if re.search(r"(?<!un)cordon(?!ed node)", para, re.I) and not para.lstrip().startswith("```")
+    ]
+    assert paragraphs
+    misleading = [
+        (where, para)
+        for where, para in paragraphs
+        if not re.search(r"moves nothing|delete|drain|node-loss\.md", para) and "kubectl cordon" not in para
+    ]
+    assert misleading == []
+    assert "Cordon the suspect node so the restart lands elsewhere" not in (RUNBOOKS / "restart-storm.md").read_text()
+
+
+def test_lws_partitioned_node_pods_are_force_deleted_in_node_loss() -> None:
+    text = (RUNBOOKS / "node-loss.md").read_text()
+    assert "Terminating" in text
+    assert any(
+        argv[:2] == ["kubectl", "-n"] and "delete" in argv and "--force" in argv and "--grace-period=0" in argv
+        for where, argv in shell_commands()
+        if where == "node-loss.md"
+    )
+
+
+def test_routing_changes_through_the_admin_api_are_said_to_be_partial() -> None:
+    for path in runbook_files():
+        text = path.read_text()
+        if "/admin/routing" in text:
+            assert "only the ingress replica" in text and "config.routing" in text, path.name
