@@ -240,11 +240,7 @@ class GroupLeader:
                 error = f"{type(err).__name__}: {err}"
             # vLLM's mp executor notices a dead worker only once a collective times out; the process table
             # tells at once (under the Ray executor the coordinator asks Ray's state API instead).
-            dead = [
-                f"{name} (pid {process.pid})"
-                for name, process in self._ranks
-                if _process_state(process) == "DEAD"
-            ]
+            dead = [f"{name} (pid {process.pid})" for name, process in self._ranks if _process_state(process) == "DEAD"]
             if error is None and dead:
                 error = f"worker process(es) dead: {', '.join(dead)}"
         return LeaderHealth(
