@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from flotilla.cluster import routing_store
 from flotilla.cluster.contract import (
     COORDINATOR_NAME,
     DurationHistogram,
@@ -36,6 +37,7 @@ from flotilla.cluster.contract import (
     GroupSnapshot,
     GroupState,
     Membership,
+    RoutingChoice,
 )
 from flotilla.cluster.engine import EngineSpec
 from flotilla.cluster.eplb.ep_group import EP_GROUP_NAME, EpGroup, EpGroupConfig, ep_group_actor_options
@@ -92,6 +94,7 @@ class Coordinator:
         self.recovery = recovery
         self.expert_parallel = expert_parallel
         self.eplb: EplbStatus | None = None
+        self.routing: RoutingChoice | None = None
         self.startup_timeout_s = startup_timeout_s
         self.namespace = namespace
         self.started_at = time.time()
@@ -122,6 +125,10 @@ class Coordinator:
         if self.expert_parallel is not None:
             self._eplb_driver = asyncio.create_task(self._drive_eplb(self.expert_parallel))
         adopted = [False] * len(self.records)
+        # An operator's routing choice outlives a coordinator restart, not a new `flotilla serve`.
+        self.routing = await routing_store.load(self.namespace) if self._restarted else None
+        if not self._restarted:
+            await routing_store.save(self.namespace, None)
         if self._restarted:
             adopted = await asyncio.gather(*(record.runtime.adopt() for record in self.records.values()))
             logger.warning("coordinator restarted: adopted %d of %d groups", sum(adopted), len(adopted))
@@ -215,6 +222,14 @@ class Coordinator:
         self._begin_restart(record, Failure(FailureKind.OPERATOR, "restarted by an operator"), drain=True)
         await self._publish()
         return self._member_snapshot(record, group)
+
+    async def set_routing(self, choice: RoutingChoice) -> RoutingChoice:
+        """Every ingress replica routes by ``choice`` from its next membership snapshot on (checked by the caller)."""
+        await self.start()
+        await routing_store.save(self.namespace, choice)
+        self.routing = choice
+        await self._publish()
+        return choice
 
     # --- expert parallelism ----------------------------------------------------------------------------
     async def _drive_eplb(self, config: EpGroupConfig) -> None:
@@ -357,7 +372,8 @@ class Coordinator:
                 await self._publish()
                 return False
             if not restarting:  # a first start failing after serving began: restart it with backoff
-                self._begin_restart(record, Failure(FailureKind.START_FAILED, record.runtime.describe_step()))
+                record.task = None  # this task ends here; the restart runs in its own
+                self._restart_now(record, Failure(FailureKind.START_FAILED, record.runtime.describe_step()))
             return False
         record.last_healthy_at = time.time()
         self._set_state(record, GroupState.READY, record.runtime.describe_step())
@@ -435,6 +451,7 @@ class Coordinator:
             recovery=previous.recovery if previous else DurationHistogram(),
             events=list(self.events),
             eplb=self.eplb,
+            routing=self.routing,
         )
 
     async def _publish(self) -> None:
@@ -457,6 +474,7 @@ def _same(a: Membership, b: Membership) -> bool:
             len(m.events),
             [e.back_in_routing_at for e in m.events],
             m.eplb,
+            m.routing,
         )
 
     return key(a) == key(b)

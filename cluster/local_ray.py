@@ -55,6 +55,7 @@ class LocalCluster:
             "num_gpus": shape.slots_per_node,
             "object_store_memory": shape.object_store_bytes,
         }
+        self._node_args = node_args
         if shape.nodes == 1:
             ray.init(
                 address="local",  # always a new cluster, never one found in /tmp/ray
@@ -90,6 +91,14 @@ class LocalCluster:
         if self._multi_node is None:
             raise RuntimeError("a single-node cluster has no simulated nodes")
         return list(self._multi_node.list_all_nodes())
+
+    def add_node(self) -> Any:
+        """One more node of the cluster's shape, as a machine joining would; returns it once registered."""
+        if self._multi_node is None:
+            raise RuntimeError("a single-node cluster cannot grow")
+        node = self._multi_node.add_node(**self._node_args)
+        self._multi_node.wait_for_nodes()
+        return node
 
     def remove_node(self, node: Any) -> None:
         """Kill every process of one simulated node at once, as a machine failure would."""

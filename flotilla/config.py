@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flotilla.cluster.config import ClusterConfig, ConfigError, CpuEngineDefaults, PlanConfig
 from flotilla.cluster.lifecycle import RecoveryConfig
@@ -90,6 +90,15 @@ class ServeConfig(BaseModel):
     port: int = Field(8000, ge=1, le=65535)
     cluster: ClusterConfig = ClusterConfig()
     startup_timeout_s: float = Field(900.0, gt=0, description="Give up if a group is not ready by then.")
+    min_ready_groups: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Start serving once this many groups are ready; the others keep starting, are retried with backoff "
+            "while they cannot (their nodes have not joined, a start failed) and join routing when ready. "
+            "null: every group (one that cannot start fails flotilla serve)."
+        ),
+    )
     admin_token_env: str = Field(
         "FLOTILLA_ADMIN_TOKEN",
         description="Environment variable holding the bearer token of /admin/*; unset: admin endpoints are off.",
@@ -102,6 +111,17 @@ class ServeConfig(BaseModel):
         if clash:
             raise ValueError(f"engine_args may not set {clash}: Flotilla sets them from other fields of the config")
         return value
+
+    @model_validator(mode="after")
+    def _min_ready_groups_within_groups(self) -> ServeConfig:
+        if self.min_ready_groups is not None and self.min_ready_groups > self.groups:
+            raise ValueError(f"min_ready_groups ({self.min_ready_groups}) is more than groups ({self.groups})")
+        return self
+
+    @property
+    def groups_to_serve(self) -> int:
+        """How many groups must be ready before the ingress serves."""
+        return self.min_ready_groups or self.groups
 
     @property
     def model_path(self) -> Path:

@@ -193,9 +193,25 @@ async def start(config: ServeConfig, say: Say, verbose: bool = False) -> Deploym
     try:
         _check_cluster_slots(config)
         deployment.coordinator = _start_coordinator(config, deployment.cluster)
-        membership = await _wait_for_groups(deployment.coordinator, say)
-        await deployment.coordinator.serving_started.remote()
+        independent = config.groups_to_serve < config.groups
+        if independent:  # a group that cannot start yet is retried, not fatal
+            await deployment.coordinator.serving_started.remote()
+        membership = await _wait_for_groups(deployment.coordinator, say, config.groups_to_serve)
+        if not independent:
+            await deployment.coordinator.serving_started.remote()
         _deploy_ingress(deployment, membership)
+        if (port := config.ingress.metrics_port) is not None:
+            last = port + config.ingress.replicas - 1
+            say(
+                f"each ingress replica's own metrics: http://{config.host}:{port}"
+                + (f"..{last}" if last > port else "")
+                + "/metrics (one port per replica on a node); the rest: /metrics?scope=cluster"
+            )
+        if waiting := [g.name for g in membership.groups if g.state is not GroupState.READY]:
+            say(
+                f"serving with {len(membership.ready())} of {len(membership.groups)} groups; "
+                f"the others ({', '.join(waiting)}) join routing when ready (flotilla status shows their progress)"
+            )
     except BaseException:
         deployment.shutdown(say)
         raise
@@ -233,7 +249,8 @@ def _start_ray(config: ServeConfig, say: Say, verbose: bool) -> LocalCluster | N
 
 def _check_cluster_slots(config: ServeConfig) -> None:
     available = int(ray.available_resources().get("GPU", 0))
-    problems = check_capacity(config.groups * config.slots_per_group, available, f"{config.groups} group(s)")
+    needed = config.groups_to_serve  # the other groups wait for their nodes to join
+    problems = check_capacity(needed * config.slots_per_group, available, f"{needed} group(s)")
     if problems:
         raise ConfigError("\n".join(str(p) for p in problems))
 
@@ -277,8 +294,8 @@ def _start_coordinator(config: ServeConfig, cluster: LocalCluster | None) -> Any
     return actor.remote(groups, config.coordinator, config.startup_timeout_s, namespace)
 
 
-async def _wait_for_groups(coordinator: Any, say: Say) -> Membership:
-    """Print each group's progress until all are ready; raise when one cannot start."""
+async def _wait_for_groups(coordinator: Any, say: Say, needed: int) -> Membership:
+    """Print each group's progress until ``needed`` groups are ready; raise when too many cannot start."""
     await coordinator.start.remote()
     started = last_heartbeat = time.monotonic()
     said: dict[str, int] = {}  # per group: the number of the last detail printed
@@ -296,9 +313,9 @@ async def _wait_for_groups(coordinator: Any, say: Say) -> Membership:
         if heartbeat:
             last_heartbeat = time.monotonic()
         failed = [g for g in membership.groups if g.state is GroupState.FAILED]
-        if failed:
+        if len(membership.groups) - len(failed) < needed:
             raise RuntimeError("; ".join(f"{g.name} failed: {g.detail}" for g in failed))
-        if len(membership.ready()) == len(membership.groups):
+        if len(membership.ready()) >= needed:
             return membership
         await asyncio.sleep(PROGRESS_POLL_S)
 
@@ -319,6 +336,8 @@ def _deploy_ingress(deployment: Deployment, membership: Membership) -> None:
         namespace=config.cluster.namespace,
         serving=config.serving,
         api_keys=_api_keys(config),
+        metrics_port=config.ingress.metrics_port,
+        metrics_host=config.host,
     )
     on_head = config.ingress.placement == "head"
     serve.start(

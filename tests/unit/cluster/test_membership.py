@@ -10,7 +10,15 @@ from typing import Any
 import pytest
 
 from flotilla.cluster import coordinator as coordinator_module
-from flotilla.cluster.contract import EngineInfo, EnginePhase, GroupSnapshot, GroupState, LeaderHealth, Membership
+from flotilla.cluster.contract import (
+    EngineInfo,
+    EnginePhase,
+    GroupSnapshot,
+    GroupState,
+    LeaderHealth,
+    Membership,
+    RoutingChoice,
+)
 from flotilla.cluster.coordinator import Coordinator, UnknownGroup
 from flotilla.cluster.engine import EngineSpec
 from flotilla.cluster.group import Member, member_names
@@ -296,6 +304,26 @@ def test_a_group_that_cannot_start_fails_serve_fast(fake_groups: type[FakeGroup]
     asyncio.run(scenario())
 
 
+def test_serving_with_some_groups_retries_the_rest_until_they_start(fake_groups: type[FakeGroup]) -> None:
+    """min_ready_groups: serving begins before g1 can start; g1 is retried with backoff and joins later."""
+
+    async def scenario() -> None:
+        fake_groups.fail_starts.add("g1")
+        coordinator = make_coordinator(FAST.model_copy(update={"max_restarts": 100, "window_s": 3600}))
+        coordinator.serving_started()
+        await coordinator.start()
+        waiting = await until(
+            coordinator, lambda m: state(m, "g0") is GroupState.READY and fake_groups.started.count("g1") >= 3
+        )
+        assert state(waiting, "g1") in (GroupState.STARTING, GroupState.RESTARTING)
+        fake_groups.fail_starts.clear()  # its nodes joined
+        ready = await until(coordinator, lambda m: len(m.ready()) == 2)
+        assert {e.kind for e in ready.events if e.group == "g1"} == {"start_failed"}
+        await coordinator.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_drain_resume_and_unknown_groups(fake_groups: type[FakeGroup]) -> None:
     async def scenario() -> None:
         coordinator = make_coordinator()
@@ -364,3 +392,37 @@ def test_directory_routes_exactly_the_ready_groups() -> None:
     assert directory.router.group_names == [other]
     directory.apply(membership(5, **{holder: (ready, "e2"), other: (ready, "e1")}))
     assert sorted(directory.router.group_names) == ["g", "h"]
+
+
+def test_an_operator_routing_choice_reaches_every_directory_through_membership(fake_groups: type[FakeGroup]) -> None:
+    """PUT /admin/routing goes to the coordinator; every ingress replica (directory), and one created later,
+    routes by it from the next snapshot; a replica keeps its policy when a snapshot carries none."""
+
+    async def scenario() -> None:
+        coordinator = make_coordinator()
+        await coordinator.start()
+        ready = await until(coordinator, lambda m: len(m.ready()) == 2)
+        settings = IngressSettings(
+            engine=EngineSpec(model="/m", served_model_name="m", tensor_parallel_size=1, pipeline_parallel_size=1),
+            max_model_len=4096,
+            block_size=BLOCK,
+            routing=RoutingConfig(kv_events=False),
+        )
+        replicas = [GroupDirectory(settings, coordinator, ready, "127.0.0.1") for _ in range(2)]
+        assert {r.router.policy.name for r in replicas} == {"cache_aware"}
+
+        choice = RoutingChoice("round_robin", {})
+        await coordinator.set_routing(choice)
+        changed = await until(coordinator, lambda m: m.routing == choice)
+        for replica in replicas:
+            replica.apply(changed)
+        later = GroupDirectory(settings, coordinator, await coordinator.get_membership(), "127.0.0.1")
+        assert {r.router.policy.name for r in [*replicas, later]} == {"round_robin"}
+        assert len({later.route(str(i), PROMPT)[1].name for i in range(4)}) == 2  # it really routes round robin
+
+        coordinator.records["g0"].runtime.leader.dead = True  # later snapshots keep the choice
+        restarted = await until(coordinator, lambda m: state(m, "g0") is not GroupState.READY)
+        assert restarted.routing == choice
+        await coordinator.shutdown()
+
+    asyncio.run(scenario())
