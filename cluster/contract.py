@@ -391,6 +391,15 @@ class EplbStatus:
     last_rebalance: RebalanceSummary | None
 
 
+@dataclass(frozen=True, slots=True)
+class RoutingChoice:
+    """The routing policy an operator set at run time (``PUT /admin/routing``), which every ingress replica
+    routes by instead of the config's; the cluster side passes it on without knowing the policies."""
+
+    policy: str
+    params: dict[str, Any]
+
+
 @dataclass(slots=True)
 class Membership:
     """Every group as the coordinator sees it; ``version`` grows with every change."""
@@ -406,6 +415,8 @@ class Membership:
     """The latest failures and recoveries, oldest first (bounded)."""
     eplb: EplbStatus | None = None
     """The expert-parallel group's balance, when the coordinator runs one."""
+    routing: RoutingChoice | None = None
+    """The operator's routing policy, set at run time; None: the config's."""
 
     def ready(self) -> list[GroupSnapshot]:
         return [g for g in self.groups if g.state is GroupState.READY]

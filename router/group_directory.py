@@ -21,7 +21,14 @@ from typing import Any, cast
 
 import ray
 
-from flotilla.cluster.contract import COORDINATOR_NAME, EngineInfo, GroupSnapshot, GroupState, Membership
+from flotilla.cluster.contract import (
+    COORDINATOR_NAME,
+    EngineInfo,
+    GroupSnapshot,
+    GroupState,
+    Membership,
+    RoutingChoice,
+)
 from flotilla.router.group_channel import GroupChannel
 from flotilla.router.kv_events import KvEventFeed
 from flotilla.router.policies import make_policy
@@ -54,6 +61,8 @@ class GroupDirectory:
         self.host = host
         self.index = PrefixIndex()
         self.router = Router(make_policy(self.routing.policy, self.routing.params), settings.block_size, self.index)
+        self.routing_choice: RoutingChoice | None = None
+        """The operator's run-time policy this replica routes by (None: the config's)."""
         self.members: dict[str, Member] = {}
         self.membership = Membership(-1, membership.coordinator_started_at, [])
         self._started = False
@@ -69,7 +78,12 @@ class GroupDirectory:
 
     # --- membership --------------------------------------------------------------------------------
     def apply(self, membership: Membership) -> None:
-        """Route to exactly the ready groups of ``membership``."""
+        """Route to exactly the ready groups of ``membership``, by its routing choice."""
+        if membership.routing is not None and membership.routing != self.routing_choice:
+            try:
+                self.set_policy(membership.routing)
+            except ValueError as err:  # checked by the ingress that took it; a newer Flotilla's policy?
+                logger.error("cannot route by %s: %s", membership.routing, err)
         for snapshot in membership.groups:
             member = self.members.get(snapshot.name)
             if snapshot.state is GroupState.READY:
@@ -132,8 +146,10 @@ class GroupDirectory:
         self._started = True
         self._tasks = [asyncio.create_task(self._poll_forever()), asyncio.create_task(self._follow_membership())]
 
-    def set_policy(self, name: str, params: dict[str, Any]) -> None:
-        self.router.policy = make_policy(name, params)
+    def set_policy(self, choice: RoutingChoice) -> None:
+        """Route by ``choice`` from now on; ValueError if its policy or parameters are wrong."""
+        self.router.policy = make_policy(choice.policy, choice.params)
+        self.routing_choice = choice
 
     async def reset_prefix_caches(self) -> dict[str, bool]:
         """Empty every engine's prefix cache and the index (benchmarks start each arm cold)."""

@@ -25,12 +25,14 @@ from ray.exceptions import RayTaskError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from flotilla.cluster.contract import GroupSnapshot, Membership
+from flotilla.cluster.contract import GroupSnapshot, Membership, RoutingChoice
 from flotilla.router.engine_client import REQUEST_CONTEXT, RequestContext, RoutedEngineClient
 from flotilla.router.engine_metrics import merge_group_metrics
 from flotilla.router.frontend import build_openai_app, frontend_config, serving_args
 from flotilla.router.group_directory import GroupDirectory
 from flotilla.router.metrics import IngressMetrics
+from flotilla.router.policies import make_policy
+from flotilla.router.replica_metrics import serve_replica_metrics
 from flotilla.router.settings import IngressSettings
 
 NO_GROUP_RETRY_AFTER_S = 5
@@ -149,7 +151,14 @@ class OpenAIIngress:
 
         self.settings = settings
         self.directory = await GroupDirectory.connect(settings)
-        self.stats = IngressMetrics(membership=lambda: self.directory.membership)
+        replica = serve.get_replica_context()
+        self.stats = IngressMetrics(membership=lambda: self.directory.membership, replica=replica.replica_id.unique_id)
+        self._replica_metrics: asyncio.Task[None] | None = None
+        if settings.metrics_port is not None:
+            port = settings.metrics_port + replica.rank.local_rank
+            self._replica_metrics = asyncio.create_task(
+                serve_replica_metrics(settings.metrics_host, port, self._render_replica_metrics)
+            )
         # Building vLLM's config loads the tokenizer and model config: off the event loop.
         vllm_config = await asyncio.to_thread(frontend_config, settings)
         self.args = serving_args(
@@ -196,12 +205,21 @@ class OpenAIIngress:
             return error_response(503, "no replica group is ready")
         return JSONResponse({"status": "ok", "groups": ready})
 
-    async def metrics(self) -> Response:
+    async def metrics(self, scope: str = "all") -> Response:
+        """Everything; ``?scope=cluster``: only what every replica reports alike (the replicas' own series are
+        then scraped from each replica's metrics port)."""
+        if scope not in ("all", "cluster"):
+            return error_response(400, f"unknown scope {scope!r}; one of ['all', 'cluster']", "scope")
+        own = self._render_replica_metrics() if scope == "all" else b""
+        engines = await self._engine_metrics()
+        body = own + self.stats.render_cluster() + merge_group_metrics(engines)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    def _render_replica_metrics(self) -> bytes:
         self.directory.ensure_started()
         router = self.directory.router
         self.stats.observe_groups(router.view(name) for name in router.group_names)
-        engines = await self._engine_metrics()
-        return Response(self.stats.render() + merge_group_metrics(engines), media_type=CONTENT_TYPE_LATEST)
+        return self.stats.render_replica()
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         if (denied := self._authorize(request)) is not None:
@@ -211,11 +229,19 @@ class OpenAIIngress:
     async def set_routing(self, request: Request, body: RoutingUpdate) -> Response:
         if (denied := self._authorize(request)) is not None:
             return denied
+        choice = RoutingChoice(body.policy, body.params)
         try:
-            self.directory.set_policy(body.policy, body.params)
+            make_policy(choice.policy, choice.params)
         except ValueError as err:
             return error_response(400, str(err), "policy")
-        return JSONResponse({"policy": body.policy, "params": body.params})
+        # Through the coordinator: it keeps the choice and every replica (this one too) takes it from membership.
+        try:
+            call = self.directory.coordinator.set_routing.remote(choice)
+            await asyncio.wait_for(asyncio.wrap_future(call.future()), COORDINATOR_TIMEOUT_S)
+        except Exception as err:
+            return error_response(503, f"the coordinator did not answer; routing is unchanged: {err}")
+        self.directory.set_policy(choice)  # this replica at once, before its next snapshot arrives
+        return JSONResponse({"policy": choice.policy, "params": choice.params})
 
     async def groups(self, request: Request) -> Response:
         if (denied := self._authorize(request)) is not None:

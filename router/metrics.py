@@ -1,4 +1,10 @@
-"""Prometheus metrics of one ingress replica, served on ``GET /metrics``."""
+"""Prometheus metrics of one ingress replica.
+
+Two kinds: this replica's own (requests, latency, routing decisions, its view of group load), which
+carry a ``replica`` label and must be scraped from every replica (``/metrics`` on the serving port
+goes through HAProxy to one replica at a time); and the cluster's (group states and restarts from
+the coordinator's membership, EPLB), which every replica reports alike.
+"""
 
 from __future__ import annotations
 
@@ -19,10 +25,17 @@ RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 1.0)
 
 
 class IngressMetrics:
-    def __init__(self, membership: Callable[[], Membership] | None = None) -> None:
+    def __init__(self, membership: Callable[[], Membership] | None = None, replica: str | None = None) -> None:
         self.registry = CollectorRegistry()
+        """This replica's own series."""
+        self.cluster_registry = CollectorRegistry()
+        """Series every replica reports alike."""
         if membership is not None:
-            self.registry.register(MembershipCollector(membership))
+            self.cluster_registry.register(MembershipCollector(membership))
+        self._replica_registry = self.registry
+        if replica is not None:
+            self._replica_registry = CollectorRegistry(auto_describe=False)
+            self._replica_registry.register(ReplicaLabelled(self.registry, replica))
         self.requests_retried = Counter(
             "flotilla_requests_retried",
             "Requests retried on another group after their group failed them before any token reached the client.",
@@ -120,8 +133,31 @@ class IngressMetrics:
             ):
                 self.group_load.labels(view.name, signal).set(value)
 
+    def render_replica(self) -> bytes:
+        return generate_latest(self._replica_registry)
+
+    def render_cluster(self) -> bytes:
+        return generate_latest(self.cluster_registry)
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return self.render_replica() + self.render_cluster()
+
+
+class ReplicaLabelled(Collector):
+    """Every series of ``registry`` with a ``replica`` label (prometheus_client has no constant labels)."""
+
+    def __init__(self, registry: CollectorRegistry, replica: str) -> None:
+        self.registry = registry
+        self.replica = replica
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            labelled.samples = [s._replace(labels=s.labels | {"replica": self.replica}) for s in family.samples]
+            yield labelled
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
 
 
 class MembershipCollector(Collector):

@@ -129,6 +129,18 @@ class IngressConfig(BaseModel):
             "them (spread over nodes, for ingress throughput beyond one node's CPUs)."
         ),
     )
+    metrics_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description=(
+            "Each ingress replica serves its own series (requests, latency, routing; labelled replica) on "
+            "GET /metrics at metrics_port + its rank on its node, for Prometheus to scrape every replica directly: "
+            "the serving port reaches one replica per request. /metrics?scope=cluster on the serving port then "
+            "gives the rest (groups, engines), which every replica reports alike. null: off (one replica's "
+            "/metrics on the serving port has everything)."
+        ),
+    )
 
     def ray_env(self) -> dict[str, str]:
         """Environment the Serve controller and replicas need (set before Ray starts)."""
@@ -153,6 +165,8 @@ class IngressSettings(BaseModel):
     admin_token: str | None = Field(None, description="Bearer token for /admin/*; None disables those endpoints.")
     serving: ServingConfig = ServingConfig()
     api_keys: tuple[str, ...] = Field((), description="Bearer keys /v1/* requires; empty: open.")
+    metrics_port: int | None = Field(None, description="Base port of the replicas' own metrics (IngressConfig).")
+    metrics_host: str = Field("127.0.0.1", description="Where the replicas' own metrics listen (the serving host).")
 
     @property
     def model_name(self) -> str:

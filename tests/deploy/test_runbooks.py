@@ -217,8 +217,18 @@ def test_lws_partitioned_node_pods_are_force_deleted_in_node_loss() -> None:
     )
 
 
-def test_routing_changes_through_the_admin_api_are_said_to_be_partial() -> None:
+def test_routing_changes_through_the_admin_api_say_what_they_reach_and_how_long_they_last() -> None:
+    mentions = 0
     for path in runbook_files():
         text = path.read_text()
         if "/admin/routing" in text:
-            assert "only the ingress replica" in text and "config.routing" in text, path.name
+            mentions += 1
+            assert "every ingress replica" in text and "config.routing" in text, path.name
+            assert "only the ingress replica" not in text, path.name  # no longer true: the coordinator keeps it
+            # lws mode: one Ray cluster per LWS group, so the change is sent to each leader, inside its pod
+            assert any(
+                argv[:2] == ["kubectl", "-n"] and "exec" in argv and "/admin/routing" in " ".join(argv)
+                for where, argv in shell_commands()
+                if where == path.name
+            ), path.name
+    assert mentions

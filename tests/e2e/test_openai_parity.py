@@ -392,4 +392,7 @@ def test_api_paths_need_a_key(flotilla: Server, method: str, path: str) -> None:
 def test_health_and_metrics_stay_open(flotilla: Server) -> None:
     assert httpx.get(f"{flotilla.url}/health", timeout=10).status_code == 200
     metrics = httpx.get(f"{flotilla.url}/metrics", timeout=10)
-    assert metrics.status_code == 200 and 'flotilla_requests_total{endpoint="completions",status="401"}' in metrics.text
+    assert (
+        metrics.status_code == 200
+        and 'flotilla_requests_total{endpoint="completions",status="401",replica="' in metrics.text
+    )

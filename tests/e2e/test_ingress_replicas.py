@@ -1,0 +1,144 @@
+"""Two ingress replicas behind HAProxy. Each serves its own series on a port of its own (labelled with
+its replica), so Prometheus scrapes every replica and nothing interleaves; ``/metrics?scope=cluster`` on
+the serving port has the rest. A routing change through the admin API reaches both replicas, and a
+replica started later, and outlives a coordinator restart."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+
+from devtools import wait_for
+from flotilla.cluster.contract import COORDINATOR_NAME, DEFAULT_NAMESPACE
+from flotilla.cluster.ports import free_port
+from flotilla.cluster.ray_connect import connect
+from tests.e2e.faults import TOKEN, admin
+from tests.e2e.server import Server, flotilla_serve
+
+pytestmark = pytest.mark.e2e
+REPLICAS = 2
+
+
+def free_port_run(length: int) -> int:
+    """A port p with p … p + length - 1 all free."""
+    while True:
+        base = free_port()
+        try:
+            for port in range(base, base + length):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+
+
+@pytest.fixture(scope="module")
+def replicas(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, list[int]]]:
+    base = free_port_run(REPLICAS)
+    config = tmp_path_factory.mktemp("replicas") / "two-ingress-replicas.yaml"
+    config.write_text(
+        f"model: {models_dir / 'tiny-llama'}\nserved_model_name: tiny-llama\ncpu: {{threads_per_worker: 1}}\n"
+        f"ingress: {{replicas: {REPLICAS}, metrics_port: {base}}}\n"
+    )
+    with flotilla_serve(str(config), env={"FLOTILLA_ADMIN_TOKEN": TOKEN}) as running:
+        connect(running.ray_address)
+        yield running, list(range(base, base + REPLICAS))
+        ray.shutdown()
+
+
+def samples(text: str, name: str, **labels: str) -> dict[str, float]:
+    """replica → value of the samples called ``name`` with ``labels``, summed per replica."""
+    per_replica: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                replica = sample.labels.get("replica", "")
+                per_replica[replica] = per_replica.get(replica, 0.0) + sample.value
+    return per_replica
+
+
+def scrape(port: int) -> str:
+    response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30)
+    assert response.status_code == 200
+    return response.text
+
+
+def complete(server: Server, count: int, tag: str) -> None:
+    for n in range(count):
+        body = {"model": "tiny-llama", "prompt": f"{tag} request {n}", "max_tokens": 2}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+
+
+def decisions(port: int, policy: str) -> float:
+    return sum(samples(scrape(port), "flotilla_routing_decisions_total", policy=policy).values())
+
+
+def test_every_replica_is_scraped_on_its_own_port_and_the_cluster_scope_has_the_rest(
+    replicas: tuple[Server, list[int]],
+) -> None:
+    server, ports = replicas
+    assert f"own metrics: http://127.0.0.1:{ports[0]}..{ports[-1]}/metrics" in server.output()
+    before = [sum(samples(scrape(p), "flotilla_requests_total", endpoint="completions").values()) for p in ports]
+    complete(server, 24, "scrape")
+    answered = [samples(scrape(p), "flotilla_requests_total", endpoint="completions", status="200") for p in ports]
+    labels = [set(a) for a in answered]
+    assert all(len(replica) == 1 for replica in labels) and labels[0] != labels[1], labels  # one replica per port
+    served = [sum(a.values()) - b for a, b in zip(answered, before, strict=True)]
+    assert sum(served) == 24 and min(served) > 0, served  # HAProxy used both; together they saw every request
+
+    cluster = httpx.get(f"{server.url}/metrics", params={"scope": "cluster"}, timeout=30)
+    assert cluster.status_code == 200
+    assert samples(cluster.text, "flotilla_requests_total") == {}  # the replicas' own series are not repeated
+    assert samples(cluster.text, "flotilla_group_state", group="group-0", state="ready") == {"": 1.0}
+    assert "vllm:" in cluster.text  # the engines'
+    wrong = httpx.get(f"{server.url}/metrics", params={"scope": "mine"}, timeout=30)
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "scope"
+
+
+def test_a_routing_change_reaches_every_replica_and_outlives_restarts(replicas: tuple[Server, list[int]]) -> None:
+    server, ports = replicas
+    changed = httpx.put(
+        f"{server.url}/admin/routing",
+        json={"policy": "round_robin"},
+        headers={"authorization": f"Bearer {TOKEN}"},
+        timeout=30,
+    )
+    assert changed.status_code == 200, changed.text
+    cache_aware = [decisions(p, "cache_aware") for p in ports]
+    complete(server, 24, "after the change")
+    assert all(decisions(p, "round_robin") > 0 for p in ports)  # both replicas, though one took the PUT
+    assert [decisions(p, "cache_aware") for p in ports] == cache_aware
+
+    # The coordinator restarts (and keeps the choice); then an ingress replica is replaced by a new one.
+    started_at = admin(server, "GET", "/groups")["coordinator_started_at"]
+    ray.kill(ray.get_actor(COORDINATOR_NAME, namespace=DEFAULT_NAMESPACE), no_restart=False)
+    assert wait_for(lambda: admin(server, "GET", "/groups")["coordinator_started_at"] != started_at, 60)
+    victim = scrape_replica_name(ports[0])
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{victim}", namespace="serve"), no_restart=True)
+
+    def replaced() -> bool:
+        try:
+            return scrape_replica_name(ports[0]) != victim
+        except httpx.HTTPError:
+            return False
+
+    assert wait_for(replaced, 120, interval_s=0.5), "no new ingress replica on the port"
+    complete(server, 24, "after the restarts")
+    assert decisions(ports[0], "round_robin") > 0 and decisions(ports[0], "cache_aware") == 0
+
+
+def scrape_replica_name(port: int) -> str:
+    """The Serve actor name of the replica serving ``port`` (its ``replica`` label is the unique id)."""
+    (replica,) = samples(scrape(port), "flotilla_requests_retried_total")
+    from ray.util.state import list_actors
+
+    names = [a.name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000) if a.name]
+    (name,) = [n.removeprefix("SERVE_REPLICA::") for n in names if n.startswith("SERVE_REPLICA::") and replica in n]
+    return name
