@@ -299,7 +299,64 @@ EPLB = Dashboard(
     ),
 )
 
-DASHBOARDS = (OVERVIEW, ROUTER, GROUPS, EPLB)
+# dcgm-exporter (NVIDIA's GPU operator) with its Kubernetes pod mapping labels each GPU with the pod
+# using it; scraped with honorLabels false (its ServiceMonitor's default) those labels arrive as
+# exported_namespace / exported_pod, beside the exporter's own namespace.
+GPU = 'exported_namespace=~"$namespace"'
+GPU_BY = "exported_pod"
+
+GPUS = Dashboard(
+    uid="flotilla-gpus",
+    title="Flotilla / Accelerators (DCGM)",
+    description=(
+        "The GPUs of Flotilla's pods, from NVIDIA's dcgm-exporter (GPU operator, Kubernetes pod mapping on): "
+        "utilisation, memory, tensor-core activity, temperature, power and XID errors."
+    ),
+    panels=(
+        Panel(
+            "GPU utilisation",
+            (("{{exported_pod}}", f"avg by ({GPU_BY}) (DCGM_FI_DEV_GPU_UTIL{{{GPU}}})"),),
+            unit="percent",
+            description="Share of time a kernel ran, averaged over each pod's GPUs.",
+        ),
+        Panel(
+            "GPU memory used",
+            (
+                (
+                    "{{exported_pod}}",
+                    f"sum by ({GPU_BY}) (DCGM_FI_DEV_FB_USED{{{GPU}}}) / clamp_min(sum by ({GPU_BY}) "
+                    f"(DCGM_FI_DEV_FB_USED{{{GPU}}} + DCGM_FI_DEV_FB_FREE{{{GPU}}}), 1)",
+                ),
+            ),
+            unit="percentunit",
+            description="vLLM takes gpu_memory_utilization of each GPU at start-up: flat near it is normal.",
+        ),
+        Panel(
+            "Tensor core activity",
+            (("{{exported_pod}}", f"avg by ({GPU_BY}) (DCGM_FI_PROF_PIPE_TENSOR_ACTIVE{{{GPU}}})"),),
+            unit="percentunit",
+            description="A profiling field (data-centre GPUs): how busy the matrix units are, beyond 'a kernel ran'.",
+        ),
+        Panel(
+            "Temperature",
+            (("{{exported_pod}} GPU {{gpu}}", f"max by ({GPU_BY}, gpu) (DCGM_FI_DEV_GPU_TEMP{{{GPU}}})"),),
+            unit="celsius",
+        ),
+        Panel(
+            "Power",
+            (("{{exported_pod}}", f"sum by ({GPU_BY}) (DCGM_FI_DEV_POWER_USAGE{{{GPU}}})"),),
+            unit="watt",
+        ),
+        Panel(
+            "XID errors",
+            (("{{exported_pod}} GPU {{gpu}}", f"max by ({GPU_BY}, gpu) (DCGM_FI_DEV_XID_ERRORS{{{GPU}}}) > 0"),),
+            description="The last XID error code of a GPU (0: none). 48, 63, 64, 74, 79, 94, 95: drain the node; "
+            "see runbooks/node-loss.md.",
+        ),
+    ),
+)
+
+DASHBOARDS = (OVERVIEW, ROUTER, GROUPS, EPLB, GPUS)
 
 _VARIABLE_QUERIES = {
     "namespace": "label_values(flotilla_group_in_flight_requests, namespace)",

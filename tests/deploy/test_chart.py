@@ -172,7 +172,7 @@ def test_pods_are_sized_from_tp_and_pp(
     head = containers(service["headGroupSpec"]["template"])["ray-head"]
     assert "nvidia.com/gpu" not in head["resources"].get("limits", {})
     assert "--num-gpus=0" in head["args"][0]
-    assert f"wait_for_slots.py {tp * pp * groups} " in head["args"][0]
+    assert f"wait_for_slots.py {tp * pp} " in head["args"][0]  # config.min_ready_groups: 1 (the chart's default)
 
     lws = only(objects("lws", values), "LeaderWorkerSet")["spec"]
     assert lws["replicas"] == groups
@@ -180,6 +180,20 @@ def test_pods_are_sized_from_tp_and_pp(
     leader = containers(lws["leaderWorkerTemplate"]["leaderTemplate"])["flotilla"]
     assert leader["resources"]["limits"]["nvidia.com/gpu"] == slots_per_pod
     assert f"wait_for_slots.py {tp * pp} " in leader["args"][0]
+
+
+def test_kuberay_head_serves_once_min_ready_groups_are_up_and_waits_for_their_slots_only() -> None:
+    values = {"config": {"groups": 3, "tensor_parallel_size": 8, "pipeline_parallel_size": 2}}
+    for min_ready, waited_groups in ((1, 1), (2, 2), (None, 3)):
+        objs = objects("kuberay", values | {"config": values["config"] | {"min_ready_groups": min_ready}})
+        assert serve_config(objs).groups_to_serve == waited_groups
+        service = only(objs, "RayService")["spec"]["rayClusterConfig"]
+        head = containers(service["headGroupSpec"]["template"])["ray-head"]
+        assert f"wait_for_slots.py {16 * waited_groups} " in head["args"][0]
+    # lws: every LWS group is a Ray cluster of one group, which it must have
+    assert serve_config(objects("lws", values)).min_ready_groups is None
+    with pytest.raises(helm.HelmRenderError, match=r"config.min_ready_groups \(4\) is more than config.groups \(3\)"):
+        objects("kuberay", values | {"config": values["config"] | {"min_ready_groups": 4}})
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -307,7 +321,34 @@ def test_monitoring_objects_are_optional_and_complete(mode: str) -> None:
         "flotilla-router.json",
         "flotilla-groups.json",
         "flotilla-eplb.json",
+        "flotilla-gpus.json",
     }
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_ingress_replica_is_scraped_on_its_own_port(mode: str) -> None:
+    values = MONITORING | {"config": {"ingress": {"replicas": 3, "metrics_port": 9600}}}
+    objs = objects(mode, values)
+    endpoints = only(objs, "ServiceMonitor")["spec"]["endpoints"]
+    service_ports = {p["name"]: p for p in only(objs, "Service")["spec"]["ports"]}
+    templates = [t for o in objs if o["kind"] in ("RayService", "LeaderWorkerSet") for _, t in _templates(o)]
+    serving = next(
+        t for t in templates if "serve" in {p["name"] for c in containers(t).values() for p in c.get("ports", [])}
+    )
+    container_ports = {p["name"]: p["containerPort"] for c in containers(serving).values() for p in c.get("ports", [])}
+    # The serving port (through HAProxy: one replica per scrape) only for what every replica reports alike
+    assert endpoints[0]["port"] == "http" and endpoints[0]["params"] == {"scope": ["cluster"]}
+    replica_endpoints = endpoints[1:]
+    assert [e["port"] for e in replica_endpoints] == ["rep-metrics-0", "rep-metrics-1", "rep-metrics-2"]
+    for rank, endpoint in enumerate(replica_endpoints):
+        port = service_ports[endpoint["port"]]
+        assert port["port"] == 9600 + rank and container_ports[port["targetPort"]] == 9600 + rank
+        assert ("metricRelabelings" in endpoint) == (mode == "lws")  # lws groups are renamed on every endpoint
+    assert serve_config(objs).ingress.metrics_port == 9600
+    # off: the serving port's /metrics has everything (one replica)
+    off = objects(mode, MONITORING | {"config": {"ingress": {"replicas": 1, "metrics_port": None}}})
+    (endpoint,) = only(off, "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["port"] == "http" and "params" not in endpoint
 
 
 def test_runbook_base_url_is_configurable() -> None:

@@ -174,6 +174,7 @@ envFrom:
 {{- $_ := set $config "cluster" (dict "address" "auto") -}}
 {{- if eq .Values.mode "lws" -}}
 {{- $_ := set $config "groups" 1 -}}
+{{- $_ := unset $config "min_ready_groups" -}}
 {{- end -}}
 {{- toYaml $config -}}
 {{- end -}}
@@ -352,4 +353,35 @@ readinessProbe:
 - {name: dashboard, containerPort: 8265}
 - {name: client, containerPort: 10001}
 - {name: metrics, containerPort: 8080}
+{{- range $rank := until (include "flotilla.replicaMetricsPorts" . | int) }}
+- {name: {{ printf "rep-metrics-%d" $rank }}, containerPort: {{ add (int $.Values.config.ingress.metrics_port) $rank }}}
+{{- end }}
+{{- end -}}
+
+{{/* How many ingress replicas serve their own metrics port on the serving pod (0: off). */}}
+{{- define "flotilla.replicaMetricsPorts" -}}
+{{- $ingress := .Values.config.ingress | default dict -}}
+{{- if $ingress.metrics_port -}}
+{{- $ingress.replicas | default 1 | int -}}
+{{- else -}}
+0
+{{- end -}}
+{{- end -}}
+
+{{/* Interval, timeout and (lws) the group relabelling of every ServiceMonitor endpoint. */}}
+{{- define "flotilla.scrapeSettings" -}}
+interval: {{ .Values.metrics.serviceMonitor.interval }}
+scrapeTimeout: {{ .Values.metrics.serviceMonitor.scrapeTimeout }}
+{{- if eq .Values.mode "lws" }}
+# Every LWS group is its own Ray cluster whose only group is "group-0": name it after
+# the LWS group index instead, so dashboards and alerts see distinct groups.
+relabelings:
+  - sourceLabels: [__meta_kubernetes_pod_label_leaderworkerset_sigs_k8s_io_group_index]
+    targetLabel: lws_group
+metricRelabelings:
+  - sourceLabels: [lws_group, group]
+    regex: "(.+);group-.*"
+    targetLabel: group
+    replacement: group-$1
+{{- end }}
 {{- end -}}
