@@ -28,6 +28,9 @@ RESERVED_FRONTEND_ARGS = frozenset({"host", "port", "api_key", "uds", "root_path
 # vLLM routes Flotilla serves itself (its /health and /metrics cover every group), or that
 # resize a single engine's data-parallel world, which means nothing across groups.
 REPLACED_ROUTES = frozenset({"/health", "/metrics", "/scale_elastic_ep", "/is_scaling_elastic_ep"})
+# Routes vLLM registers for every model but serves only when init_app_state built their handler (a state
+# attribute, None when the model cannot): without one they answer 501 to anything, so they are dropped (404).
+ROUTES_NEEDING_A_HANDLER = {"/v1/systemone": "serving_structured_decisions"}
 
 
 def unknown_frontend_args(serving: ServingConfig) -> list[str]:
@@ -115,5 +118,7 @@ async def build_openai_app(args: Namespace, engine_client: Any) -> FastAPI:
     app = build_app(args, SUPPORTED_TASKS, engine_client.model_config)
     app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in REPLACED_ROUTES]
     await init_app_state(engine_client, app.state, args, SUPPORTED_TASKS)
+    unserved = {path for path, handler in ROUTES_NEEDING_A_HANDLER.items() if getattr(app.state, handler, None) is None}
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in unserved]
     app.state.server = None  # vLLM's engine-error handler reads it; no uvicorn server of vLLM's runs here
     return app

@@ -11,7 +11,6 @@ metrics, and ``Retry-After`` on every 503.
 # the route handlers' parameter types (Request, RoutingUpdate) as objects, not as names to look up.
 import asyncio
 import dataclasses
-import hashlib
 import secrets
 import time
 from typing import Any
@@ -22,10 +21,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.exceptions import RayTaskError
-from starlette.datastructures import Headers, MutableHeaders
+from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flotilla.cluster.contract import GroupSnapshot, Membership, RoutingChoice
+from flotilla.router.api_keys import API_PREFIXES, ApiKeyMiddleware, KeyFileFollower, KeyRing
 from flotilla.router.engine_client import REQUEST_CONTEXT, RequestContext, RoutedEngineClient
 from flotilla.router.engine_metrics import merge_group_metrics
 from flotilla.router.frontend import build_openai_app, frontend_config, serving_args
@@ -39,8 +39,6 @@ NO_GROUP_RETRY_AFTER_S = 5
 ENGINE_METRICS_TIMEOUT_S = 2.0
 COORDINATOR_TIMEOUT_S = 5.0
 GROUP_ACTIONS = frozenset({"drain", "resume", "restart"})
-API_PREFIXES = ("/v1", "/v2", "/inference", "/cohere", "/tokenize", "/detokenize", "/invocations")
-"""Paths that need the API key when keys are configured (vLLM guards /v1 the same way)."""
 
 
 class RoutingUpdate(BaseModel):
@@ -58,6 +56,10 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 
     body = {"error": {"message": message, "type": HTTPStatus(status).phrase, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
+
+
+def unauthorized() -> JSONResponse:
+    return error_response(401, "a valid API key is required: Authorization: Bearer KEY")
 
 
 def group_json(group: GroupSnapshot) -> dict[str, Any]:
@@ -122,23 +124,19 @@ class IngressMiddleware:
                 self.stats.request_latency.labels(endpoint).observe(time.perf_counter() - context.arrived)
 
 
-class ApiKeyMiddleware:
-    """Bearer API keys on the API paths, compared in constant time; a 401 in OpenAI's error shape."""
+def openapi_document(app: FastAPI, openai_app: FastAPI) -> dict[str, Any]:
+    """One OpenAPI document for every route: Flotilla's own (``app``) and vLLM's (mounted, which FastAPI
+    leaves out of the outer app's document)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
-        self.app = app
-        self._digests = [hashlib.sha256(key.encode()).digest() for key in keys]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith(API_PREFIXES):
-            scheme, _, key = (Headers(scope=scope).get("authorization") or "").partition(" ")
-            digest = hashlib.sha256(key.encode()).digest()
-            valid = any(secrets.compare_digest(digest, known) for known in self._digests)
-            if scheme.lower() != "bearer" or not valid:
-                response = error_response(401, "a valid API key is required: Authorization: Bearer KEY")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        own = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        theirs = openai_app.openapi()
+        own["paths"] = theirs.get("paths", {}) | own.get("paths", {})
+        schemas = theirs.get("components", {}).get("schemas", {}) | own.get("components", {}).get("schemas", {})
+        own["components"] = own.get("components", {}) | {"schemas": schemas}
+        app.openapi_schema = own
+    return app.openapi_schema
 
 
 # Module-level helpers must be defined above this class: serve.ingress copies the class (and
@@ -154,6 +152,10 @@ class OpenAIIngress:
         replica = serve.get_replica_context()
         self.stats = IngressMetrics(membership=lambda: self.directory.membership, replica=replica.replica_id.unique_id)
         self._replica_metrics: asyncio.Task[None] | None = None
+        self.api_keys = KeyRing(settings.api_keys)
+        self._key_file: asyncio.Task[None] | None = None
+        if settings.api_keys_file is not None:
+            self._key_file = asyncio.create_task(KeyFileFollower(settings.api_keys_file, self.api_keys).follow())
         if settings.metrics_port is not None:
             port = settings.metrics_port + replica.rank.local_rank
             self._replica_metrics = asyncio.create_task(
@@ -174,13 +176,14 @@ class OpenAIIngress:
         from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
 
         openai_app = await build_openai_app(self.args, self.engine)
-        app = FastAPI(title="Flotilla", docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(title="Flotilla", docs_url=None, redoc_url=None)
+        app.openapi = lambda: openapi_document(app, openai_app)  # type: ignore[method-assign]
         app.state.args = self.args  # vLLM's exception handlers read it; ours answer in the same shape
         init_exception_handler(app)
         app.include_router(self._routes())
         app.mount("/", openai_app)
-        if self.settings.api_keys:
-            app.add_middleware(ApiKeyMiddleware, keys=self.settings.api_keys)
+        if self.settings.api_keys or self.settings.api_keys_file:
+            app.add_middleware(ApiKeyMiddleware, ring=self.api_keys, unauthorized=unauthorized)
         endpoints = frozenset(
             path for route in openai_app.router.routes if (path := getattr(route, "path", "")).startswith(API_PREFIXES)
         )
