@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import psutil
@@ -104,6 +105,8 @@ def _check_serving(config: ServeConfig) -> None:
         raise ConfigError(f"invalid serving config: {err}") from None
     if config.serving.api_keys_env and not _api_keys(config):
         raise ConfigError(f"serving.api_keys_env names {config.serving.api_keys_env}, which holds no API key")
+    if (path := config.serving.api_keys_file) and not Path(path).is_file():
+        raise ConfigError(f"serving.api_keys_file {path} is not a file")
 
 
 def _api_keys(config: ServeConfig) -> tuple[str, ...]:
@@ -336,6 +339,7 @@ def _deploy_ingress(deployment: Deployment, membership: Membership) -> None:
         namespace=config.cluster.namespace,
         serving=config.serving,
         api_keys=_api_keys(config),
+        api_keys_file=str(Path(config.serving.api_keys_file).resolve()) if config.serving.api_keys_file else None,
         metrics_port=config.ingress.metrics_port,
         metrics_host=config.host,
     )

@@ -14,7 +14,7 @@ from flotilla.router.policies import DEFAULT_POLICY, make_policy
 class ServingConfig(BaseModel):
     """vLLM's OpenAI serving layer, configured by the names of ``vllm serve``'s flags.
 
-    Every field but ``api_keys_env`` and ``extra_args`` is the vLLM flag of the same name
+    Every field but ``api_keys_env``, ``api_keys_file`` and ``extra_args`` is the vLLM flag of the same name
     (``chat_template`` is ``--chat-template``); ``extra_args`` takes any other field of vLLM's
     ``FrontendArgs`` and is checked against it when ``flotilla serve`` starts.
     """
@@ -55,6 +55,14 @@ class ServingConfig(BaseModel):
             "Environment variable holding the API keys (comma-separated) that /v1/* requires as "
             "'Authorization: Bearer KEY' (401 otherwise); read when flotilla serve starts. Unset: /v1/* is open. "
             "/health and /metrics are always open."
+        ),
+    )
+    api_keys_file: str | None = Field(
+        None,
+        description=(
+            "A file of API keys (comma- or newline-separated) that /v1/* requires, besides api_keys_env's; "
+            "every ingress replica reads it again within a few seconds of a change, so keys rotate without a "
+            "restart (a mounted Kubernetes Secret updates in place). A file with no key admits no request."
         ),
     )
     extra_args: dict[str, Any] = Field(
@@ -165,6 +173,7 @@ class IngressSettings(BaseModel):
     admin_token: str | None = Field(None, description="Bearer token for /admin/*; None disables those endpoints.")
     serving: ServingConfig = ServingConfig()
     api_keys: tuple[str, ...] = Field((), description="Bearer keys /v1/* requires; empty: open.")
+    api_keys_file: str | None = Field(None, description="A file of more keys, followed for changes (ServingConfig).")
     metrics_port: int | None = Field(None, description="Base port of the replicas' own metrics (IngressConfig).")
     metrics_host: str = Field("127.0.0.1", description="Where the replicas' own metrics listen (the serving host).")
 

@@ -1,7 +1,8 @@
 """Two ingress replicas behind HAProxy. Each serves its own series on a port of its own (labelled with
 its replica), so Prometheus scrapes every replica and nothing interleaves; ``/metrics?scope=cluster`` on
 the serving port has the rest. A routing change through the admin API reaches both replicas, and a
-replica started later, and outlives a coordinator restart."""
+replica started later, and outlives a coordinator restart. API keys come from a file that both replicas
+follow: a rotated key works, and the retired one stops working, with no restart."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tests.e2e.server import Server, flotilla_serve
 
 pytestmark = pytest.mark.e2e
 REPLICAS = 2
+KEY = "first-key"
 
 
 def free_port_run(length: int) -> int:
@@ -39,12 +41,21 @@ def free_port_run(length: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def replicas(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, list[int]]]:
+def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "api-keys"
+    path.write_text(KEY + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def replicas(
+    models_dir: Path, key_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, list[int]]]:
     base = free_port_run(REPLICAS)
     config = tmp_path_factory.mktemp("replicas") / "two-ingress-replicas.yaml"
     config.write_text(
         f"model: {models_dir / 'tiny-llama'}\nserved_model_name: tiny-llama\ncpu: {{threads_per_worker: 1}}\n"
-        f"ingress: {{replicas: {REPLICAS}, metrics_port: {base}}}\n"
+        f"ingress: {{replicas: {REPLICAS}, metrics_port: {base}}}\nserving: {{api_keys_file: '{key_file}'}}\n"
     )
     with flotilla_serve(str(config), env={"FLOTILLA_ADMIN_TOKEN": TOKEN}) as running:
         connect(running.ray_address)
@@ -69,11 +80,13 @@ def scrape(port: int) -> str:
     return response.text
 
 
-def complete(server: Server, count: int, tag: str) -> None:
+def complete(server: Server, count: int, tag: str, key: str = KEY, status: int = 200) -> None:
     for n in range(count):
         body = {"model": "tiny-llama", "prompt": f"{tag} request {n}", "max_tokens": 2}
-        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
-        assert response.status_code == 200, response.text
+        response = httpx.post(
+            f"{server.url}/v1/completions", json=body, headers={"authorization": f"Bearer {key}"}, timeout=60
+        )
+        assert response.status_code == status, response.text
 
 
 def decisions(port: int, policy: str) -> float:
@@ -142,3 +155,35 @@ def scrape_replica_name(port: int) -> str:
     names = [a.name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000) if a.name]
     (name,) = [n.removeprefix("SERVE_REPLICA::") for n in names if n.startswith("SERVE_REPLICA::") and replica in n]
     return name
+
+
+def test_a_rotated_api_key_file_reaches_every_replica_without_a_restart(
+    replicas: tuple[Server, list[int]], key_file: Path
+) -> None:
+    server, ports = replicas
+    complete(server, 2, "no key yet", key="second-key", status=401)
+    unauthorized = [sum(samples(scrape(p), "flotilla_requests_total", status="401").values()) for p in ports]
+
+    key_file.write_text(f"{KEY},second-key\n")  # both work while clients move to the new key
+
+    def new_key_works() -> bool:
+        body = {"model": "tiny-llama", "prompt": "rotation", "max_tokens": 2}
+        headers = {"authorization": "Bearer second-key"}
+        replies = [httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60) for _ in range(8)]
+        return all(r.status_code == 200 for r in replies)
+
+    assert wait_for(new_key_works, 60, interval_s=0.5), "the added key is not accepted"
+    complete(server, 4, "old key still", key=KEY)
+
+    key_file.write_text("second-key\n")  # the old key is retired
+    assert wait_for(lambda: all_refused(server, KEY), 60, interval_s=0.5), "the retired key still works"
+    complete(server, 4, "new key", key="second-key")
+    refused = [sum(samples(scrape(p), "flotilla_requests_total", status="401").values()) for p in ports]
+    assert all(after > before for after, before in zip(refused, unauthorized, strict=True))  # both replicas refused
+
+
+def all_refused(server: Server, key: str) -> bool:
+    body = {"model": "tiny-llama", "prompt": "retired", "max_tokens": 2}
+    headers = {"authorization": f"Bearer {key}"}
+    replies = [httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60) for _ in range(8)]
+    return all(r.status_code == 401 for r in replies)
