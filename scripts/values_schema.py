@@ -45,6 +45,21 @@ def _probe(description: str) -> dict[str, Any]:
 
 
 STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+# NetworkPolicyPeer: which pods (by namespace and pod labels) or addresses a rule admits.
+LABEL_SELECTOR = _obj(
+    {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}, "matchExpressions": LIST}
+)
+PEERS = {
+    "type": "array",
+    "items": _obj(
+        {
+            "namespaceSelector": LABEL_SELECTOR,
+            "podSelector": LABEL_SELECTOR,
+            "ipBlock": _obj({"cidr": NONEMPTY, "except": {"type": "array", "items": STR}}, ("cidr",)),
+        },
+        minProperties=1,
+    ),
+}
 # Escape hatches: Kubernetes fields passed through to the pod template. Their shape is checked here
 # (so `helm install` rejects a map where a list belongs), their content by the API server.
 ENV_VAR = {
@@ -229,6 +244,14 @@ def values_schema() -> dict[str, Any]:
             ("startup", "liveness", "readiness"),
         ),
         "terminationGracePeriodSeconds": _int(0),
+        "networkPolicy": _obj(
+            {
+                "enabled": {"type": "boolean"},
+                "servingFrom": PEERS,
+                "monitoringFrom": PEERS,
+                "operatorFrom": PEERS,
+            }
+        ),
         "pdb": _obj(
             {
                 "enabled": {"type": "boolean"},

@@ -296,6 +296,26 @@ def test_api_keys_come_from_the_secret_to_the_serving_pod_and_the_test_pod(mode:
     assert serve_config(objs).serving.api_keys_env == "FLOTILLA_API_KEYS"
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_api_keys_as_a_mounted_file_rotate_without_a_restart(mode: str) -> None:
+    path = "/etc/flotilla-secrets/api-keys"
+    objs = objects(mode, {"config": {"serving": {"api_keys_file": path}}, "secrets": {"apiKeys": "k1,k2"}})
+    secret = only(objs, "Secret")["metadata"]["name"]
+    serving = only(objs, "RayService" if mode == "kuberay" else "LeaderWorkerSet")
+    head = dict(_templates(serving))["head" if mode == "kuberay" else "leader"]
+    volumes = {v["name"]: v for v in head["spec"]["volumes"]}
+    # a whole-Secret volume (no subPath), so the kubelet replaces the file when the Secret changes
+    assert volumes["api-keys"]["secret"] == {"secretName": secret, "items": [{"key": "api-keys", "path": "api-keys"}]}
+    mounts = {m["name"]: m for m in head["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["api-keys"]["mountPath"] == "/etc/flotilla-secrets" and "subPath" not in mounts["api-keys"]
+    assert serve_config(objs).serving.api_keys_file == path
+    test_env = {e["name"]: e for e in only(objs, "Pod")["spec"]["containers"][0]["env"]}
+    assert test_env["FLOTILLA_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": secret, "key": "api-keys"}
+    plain = objects(mode, {"secrets": {"apiKeys": "k1"}})  # no file configured: nothing mounted
+    serving = only(plain, "RayService" if mode == "kuberay" else "LeaderWorkerSet")
+    assert all("api-keys" not in {v["name"] for v in t["spec"]["volumes"]} for _, t in _templates(serving))
+
+
 def test_helm_test_pod_sends_a_chat_completion() -> None:
     pod = only(objects("kuberay"), "Pod")
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
@@ -706,3 +726,62 @@ def test_the_default_claim_is_mounted_read_only_everywhere(mode: str) -> None:
         model = next(v for v in template["spec"]["volumes"] if v["name"] == "model")
         assert model["persistentVolumeClaim"] == {"claimName": "flotilla-models", "readOnly": True}, name
         assert "initContainers" not in template["spec"]
+
+
+RAY_PORTS = {6379, 8265, 10001, 8076, 8077, 52365}  # GCS, dashboard, client, object and node managers, agent
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_network_policy_admits_ray_only_from_the_release(mode: str) -> None:
+    objs = objects(mode, MONITORING)
+    policy = only(objs, "NetworkPolicy")["spec"]
+    release = only(objs, "Service")["spec"]["selector"]
+    release = {k: v for k, v in release.items() if k != "app.kubernetes.io/component"}
+    assert policy["podSelector"]["matchLabels"] == release and policy["policyTypes"] == ["Ingress"]
+    # every pod of the release carries the labels the policy selects, so all of them are covered
+    for template in (t for o in objs if o["kind"] in ("RayService", "LeaderWorkerSet") for _, t in _templates(o)):
+        assert release.items() <= template["metadata"]["labels"].items()
+    named = {
+        p["name"]: p["containerPort"]
+        for t in _serving_templates(objs)
+        for c in containers(t).values()
+        for p in c["ports"]
+    }
+
+    def port_number(port: int | str) -> int:
+        return port if isinstance(port, int) else named[port]
+
+    for rule in policy["ingress"]:
+        peers = rule.get("from")
+        if peers == [{"podSelector": {"matchLabels": release}}]:
+            assert "ports" not in rule  # the release's own pods: every port (Ray's are dynamic)
+            continue
+        assert "ports" in rule, rule  # no other rule opens every port
+        opened = {port_number(p["port"]) for p in rule["ports"]}
+        if peers is None:  # open to every source: only the OpenAI port
+            assert opened == {8000}
+        elif opened & RAY_PORTS:  # the dashboard: only for the KubeRay operator
+            assert mode == "kuberay" and peers == [
+                {
+                    "namespaceSelector": {},
+                    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+                }
+            ]
+    monitoring = next(r for r in policy["ingress"] if {"port": "metrics", "protocol": "TCP"} in r.get("ports", []))
+    assert {"port": "rep-metrics-0", "protocol": "TCP"} in monitoring["ports"]
+
+    restricted = objects(mode, {"networkPolicy": {"servingFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]}})
+    serving = next(
+        r
+        for r in only(restricted, "NetworkPolicy")["spec"]["ingress"]
+        if r.get("ports") == [{"port": "serve", "protocol": "TCP"}]
+    )
+    assert serving["from"] == [{"ipBlock": {"cidr": "10.0.0.0/8"}}]
+    assert "NetworkPolicy" not in {o["kind"] for o in objects(mode, {"networkPolicy": {"enabled": False}})}
+    with pytest.raises(helm.HelmValuesError, match="servingFrom"):
+        objects(mode, {"networkPolicy": {"servingFrom": [{"cidr": "10.0.0.0/8"}]}})  # an ipBlock without its key
+
+
+def _serving_templates(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    templates = [t for o in objs if o["kind"] in ("RayService", "LeaderWorkerSet") for _, t in _templates(o)]
+    return [t for t in templates if "serve" in {p["name"] for c in containers(t).values() for p in c.get("ports", [])}]

@@ -20,11 +20,18 @@ from flotilla.cli import build_parser
 from scripts.render_manifests import RULES
 from tests.deploy.runbook_commands import RUNBOOKS, blocks, program_argv, runbook_files, shell_commands
 
-INCIDENTS = ("node-loss.md", "collective-hang.md", "oom.md", "slow-model-load.md", "rolling-upgrade.md")
+INCIDENTS = (
+    "node-loss.md",
+    "collective-hang.md",
+    "oom.md",
+    "slow-model-load.md",
+    "rolling-upgrade.md",
+    "api-key-rotation.md",
+)
 SECTIONS = ("## Symptoms", "## Alert", "## Diagnose", "## Mitigate", "## Verify recovery")
 KUBECTL_VERBS = {
     "get", "describe", "logs", "exec", "top", "cordon", "uncordon", "drain", "delete", "port-forward",
-    "rollout", "apply", "annotate", "label", "scale", "events",
+    "rollout", "apply", "annotate", "label", "scale", "events", "create",
 }  # fmt: skip
 HELM_VERBS = {"history", "upgrade", "rollback", "test", "status", "install", "uninstall", "get"}
 

@@ -236,6 +236,13 @@ envFrom:
 - name: config
   configMap:
     name: {{ include "flotilla.fullname" . }}-config
+{{- if include "flotilla.apiKeysMounted" . }}
+# The Secret's api-keys as a file: the kubelet updates it in place, and the ingress follows it.
+- name: api-keys
+  secret:
+    secretName: {{ include "flotilla.secretName" . }}
+    items: [{key: api-keys, path: api-keys}]
+{{- end }}
 - name: model
 {{- if $volume }}
 {{ toYaml $volume | indent 2 }}
@@ -250,6 +257,11 @@ envFrom:
 - name: config
   mountPath: /etc/flotilla
   readOnly: true
+{{- if include "flotilla.apiKeysMounted" . }}
+- name: api-keys
+  mountPath: /etc/flotilla-secrets
+  readOnly: true
+{{- end }}
 - name: model
   mountPath: {{ .Values.model.mountPath }}
 {{- end -}}
@@ -384,4 +396,10 @@ metricRelabelings:
     targetLabel: group
     replacement: group-$1
 {{- end }}
+{{- end -}}
+
+{{/* "true" when config.serving.api_keys_file is the chart's mount of the Secret's api-keys. */}}
+{{- define "flotilla.apiKeysMounted" -}}
+{{- $file := (.Values.config.serving | default dict).api_keys_file | default "" -}}
+{{- if eq $file "/etc/flotilla-secrets/api-keys" -}}true{{- end -}}
 {{- end -}}
