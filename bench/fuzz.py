@@ -85,7 +85,7 @@ def run_schemathesis(
         "--report-ndjson-path",
         str(ndjson),
         "--no-color",
-        *(["--max-time", str(max_time_s)] if max_time_s else []),
+        *(["--max-time", str(int(max_time_s))] if max_time_s else []),
     ]
     began = time.monotonic()
     completed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
