@@ -82,6 +82,7 @@ class Load:
     model: str = "tiny-llama"
     concurrency: int = 4
     timeout_s: float = 300
+    headers: dict[str, str] = field(default_factory=dict)
     outcomes: list[Outcome] = field(default_factory=list)
     _started: dict[int, float] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -89,7 +90,7 @@ class Load:
 
     def start(self) -> None:
         def run(worker: int) -> None:
-            with httpx.Client(timeout=self.timeout_s) as client:
+            with httpx.Client(timeout=self.timeout_s, headers=self.headers) as client:
                 while not self._stop.is_set():
                     body = {"model": self.model, "prompt": "The harbour at dawn", "max_tokens": 12}
                     started = self._started[worker] = time.time()

@@ -3,6 +3,11 @@
 Everything queued while the previous batch was being sent goes out as the next batch, so an
 engine step's outputs for all of this ingress's requests travel as one message, and nothing
 ever waits to fill a batch.
+
+The channel also notices its ingress dying: a killed process cannot cancel its calls, so its
+requests would run to the end for nobody. ZeroMQ's socket monitor reports the ingress's end of
+the TCP connection going away; if it does not come back within ``PEER_GRACE_S`` the channel
+stops, and the leader aborts its requests.
 """
 
 from __future__ import annotations
@@ -12,11 +17,13 @@ import logging
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from flotilla.cluster.contract import EngineErrorKind, GroupEngineError, WireOutput, encode_outputs
 
 logger = logging.getLogger(__name__)
 SEND_HIGH_WATER_MARK = 100_000  # batches queued for a slow ingress before we give up on it
+PEER_GRACE_S = 5.0  # a reconnect within this is a network blip, not a dead ingress
 
 
 class OutputChannel:
@@ -28,8 +35,10 @@ class OutputChannel:
         self._socket = zmq.asyncio.Context.instance().socket(zmq.PUSH)
         self._socket.setsockopt(zmq.SNDHWM, SEND_HIGH_WATER_MARK)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._socket.connect(address)
         self._sender = asyncio.create_task(self._send_forever())
+        self._watcher = asyncio.create_task(self._watch_peer())
 
     def put(self, output: WireOutput) -> None:
         self._outbox.put_nowait(output)
@@ -38,14 +47,34 @@ class OutputChannel:
         self.put(WireOutput.failed(key, GroupEngineError(kind, message)))
 
     async def closed(self) -> None:
-        """Returns when the channel stops on its own (the ingress stopped reading)."""
+        """Returns (or raises CancelledError) when the channel stops on its own: the ingress stopped
+        reading, or went away."""
         await asyncio.shield(self._sender)
 
     def close(self) -> None:
         self._sender.cancel()
+        self._watcher.cancel()
         for task in self.requests.values():
             task.cancel()
+        self._socket.disable_monitor()
+        self._monitor.close()
         self._socket.close()
+
+    async def _watch_peer(self) -> None:
+        connected = False
+        while True:
+            try:
+                frames = await asyncio.wait_for(self._monitor.recv_multipart(), None if connected else PEER_GRACE_S)
+            except TimeoutError:
+                logger.warning(
+                    "ingress channel %s: its ingress has been gone for %.0f s; aborting its %d request(s)",
+                    self.channel_id,
+                    PEER_GRACE_S,
+                    len(self.requests),
+                )
+                self._sender.cancel()
+                return
+            connected = parse_monitor_message(frames)["event"] == zmq.EVENT_CONNECTED
 
     async def _send_forever(self) -> None:
         while True:

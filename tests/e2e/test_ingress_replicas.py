@@ -2,11 +2,18 @@
 its replica), so Prometheus scrapes every replica and nothing interleaves; ``/metrics?scope=cluster`` on
 the serving port has the rest. A routing change through the admin API reaches both replicas, and a
 replica started later, and outlives a coordinator restart. API keys come from a file that both replicas
-follow: a rotated key works, and the retired one stops working, with no restart."""
+follow: a rotated key works, and the retired one stops working, with no restart. Killing one replica
+under load fails at most the requests in flight on it; every request sent after the kill is answered
+(HAProxy sends it to the other), and the engine aborts the dead replica's requests instead of finishing
+them for nobody."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +22,8 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from devtools import wait_for
-from flotilla.cluster.contract import COORDINATOR_NAME, DEFAULT_NAMESPACE
+from devtools import Load, wait_for
+from flotilla.cluster.contract import COORDINATOR_NAME, DEFAULT_NAMESPACE, leader_actor_name
 from flotilla.cluster.ports import free_port
 from flotilla.cluster.ray_connect import connect
 from tests.e2e.faults import TOKEN, admin
@@ -135,24 +142,27 @@ def test_a_routing_change_reaches_every_replica_and_outlives_restarts(replicas: 
     assert wait_for(lambda: admin(server, "GET", "/groups")["coordinator_started_at"] != started_at, 60)
     victim = scrape_replica_name(ports[0])
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{victim}", namespace="serve"), no_restart=True)
+    wait_replaced(ports[0], victim)
+    complete(server, 24, "after the restarts")
+    assert decisions(ports[0], "round_robin") > 0 and decisions(ports[0], "cache_aware") == 0
+
+
+def wait_replaced(port: int, victim: str) -> None:
+    """Until Ray Serve's replacement for the killed replica ``victim`` serves its metrics on ``port``."""
 
     def replaced() -> bool:
         try:
-            return scrape_replica_name(ports[0]) != victim
-        except httpx.HTTPError:
+            return scrape_replica_name(port) != victim
+        except (httpx.HTTPError, ValueError):  # not listening yet, or not yet listed alive by Ray
             return False
 
     assert wait_for(replaced, 120, interval_s=0.5), "no new ingress replica on the port"
-    complete(server, 24, "after the restarts")
-    assert decisions(ports[0], "round_robin") > 0 and decisions(ports[0], "cache_aware") == 0
 
 
 def scrape_replica_name(port: int) -> str:
     """The Serve actor name of the replica serving ``port`` (its ``replica`` label is the unique id)."""
     (replica,) = samples(scrape(port), "flotilla_requests_retried_total")
-    from ray.util.state import list_actors
-
-    names = [a.name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000) if a.name]
+    names = [a.name for a in alive_actors() if a.name]
     (name,) = [n.removeprefix("SERVE_REPLICA::") for n in names if n.startswith("SERVE_REPLICA::") and replica in n]
     return name
 
@@ -187,3 +197,93 @@ def all_refused(server: Server, key: str) -> bool:
     headers = {"authorization": f"Bearer {key}"}
     replies = [httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60) for _ in range(8)]
     return all(r.status_code == 401 for r in replies)
+
+
+def test_killing_an_ingress_replica_under_load_fails_only_requests_in_flight_on_it(
+    replicas: tuple[Server, list[int]], key_file: Path
+) -> None:
+    server, ports = replicas
+    key = key_file.read_text().split(",")[-1].strip()  # the key in force (an earlier test may have rotated it)
+    victim = scrape_replica_name(ports[1])
+    pid = next(a.pid for a in alive_actors() if a.name == f"SERVE_REPLICA::{victim}")
+    with Load(server.url, concurrency=4, headers={"authorization": f"Bearer {key}"}) as load:
+        assert wait_for(lambda: in_flight(ports[1]) >= 1, 60, interval_s=0.05), "no request on the victim"
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.time()
+        assert wait_for(lambda: load.answered_since(killed_at) >= 40, 180), "the load stalled after the kill"
+    assert load.in_flight() == 0
+    lost = [o for o in load.failures() if o.started < killed_at]
+    assert len(lost) <= load.concurrency, lost  # at most what was in flight when it died
+    after = [o for o in load.outcomes if o.started >= killed_at]
+    assert after and all(o.status == 200 for o in after), [o for o in after if o.status != 200][:3]  # no gap
+    wait_replaced(ports[1], victim)
+    print(f"ingress replica killed: {len(lost)} request(s) in flight on it failed, {len(after)} after it all answered")
+
+
+def in_flight(port: int) -> float:
+    return sum(samples(scrape(port), "flotilla_group_in_flight_requests").values())
+
+
+def alive_actors() -> list:
+    from ray.util.state import list_actors
+
+    return list(list_actors(filters=[("state", "=", "ALIVE")], limit=10_000, detail=True))
+
+
+def test_the_requests_of_a_dead_ingress_replica_are_aborted_in_the_engine(
+    replicas: tuple[Server, list[int]], key_file: Path
+) -> None:
+    from flotilla.cluster.output_channel import PEER_GRACE_S
+
+    server, ports = replicas
+    key = key_file.read_text().split(",")[-1].strip()
+    streams = LongStreams(server.url, key, count=4)
+    try:
+        assert wait_for(lambda: sum(in_flight(p) for p in ports) >= streams.count, 120, interval_s=0.1)
+        victim_port = max(ports, key=in_flight)  # whichever replica HAProxy gave streams to
+        on_victim = in_flight(victim_port)
+        assert wait_for(lambda: unfinished() == streams.count, 30, interval_s=0.1), unfinished()
+        victim = scrape_replica_name(victim_port)
+        os.kill(next(a.pid for a in alive_actors() if a.name == f"SERVE_REPLICA::{victim}"), signal.SIGKILL)
+        # Its streams would run for 1900 tokens each (far beyond this wait at this machine's speed); the
+        # leader aborts them in the engine instead.
+        assert wait_for(lambda: unfinished() <= streams.count - on_victim, PEER_GRACE_S + 10, interval_s=0.2), (
+            f"{unfinished()} requests still in the engine; {on_victim} were the dead replica's"
+        )
+    finally:
+        streams.stop()
+    wait_replaced(victim_port, victim)
+
+
+def unfinished() -> int:
+    """Requests in group-0's engine, as its leader counts them."""
+    leader = ray.get_actor(leader_actor_name("group-0"), namespace=DEFAULT_NAMESPACE)
+    return int(ray.get(leader.num_unfinished_requests.remote(), timeout=30))
+
+
+class LongStreams:
+    """``count`` streamed completions of 1900 tokens each (far longer than the checks), read until stopped."""
+
+    def __init__(self, url: str, key: str, count: int) -> None:
+        self.count = count
+        self._stop = threading.Event()
+        body = {"model": "tiny-llama", "prompt": "a long story", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+        headers = {"authorization": f"Bearer {key}"}
+
+        def read() -> None:
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=300) as reply:
+                    for _ in reply.iter_lines():
+                        if self._stop.is_set():
+                            return
+            except httpx.HTTPError:
+                pass  # the streams on the killed replica break
+
+        self._threads = [threading.Thread(target=read, daemon=True) for _ in range(count)]
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(60)
