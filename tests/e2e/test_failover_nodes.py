@@ -1,7 +1,8 @@
-"""Node loss under load: 5 simulated nodes, 2 groups × PP=2, one node spare. A node (not the head)
-holding one group's pipeline stage is killed; the group restarts on the spare node, the other group
-never restarts, and no non-streaming request fails nor is left unanswered. (Its own module: it runs
-its own cluster in this test process, which must not be connected to another one.)"""
+"""Node loss under load, through the default HTTP path (HAProxy): 5 simulated nodes, 2 groups × PP=2,
+one node spare. A node (not the head) holding one group's pipeline stage is killed; the group restarts
+on the spare node, the other group never restarts, and no non-streaming request fails nor is left
+unanswered. (Its own module: it runs its own cluster in this test process, which must not be connected
+to another one.)"""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from flotilla.cluster.local_ray import LocalCluster, LocalClusterShape
+from flotilla.cluster.ports import free_port
+from flotilla.router.settings import IngressConfig
 from tests.e2e.faults import TOKEN, group, load_through, status, wait_back_in_routing
 from tests.e2e.server import Server, flotilla_serve
 
@@ -19,17 +22,25 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def pp_cluster(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, Server]]:
-    cluster = LocalCluster(
-        LocalClusterShape(nodes=5, slots_per_node=1, cpus_per_node=4, object_store_bytes=150 << 20),
-        namespace="failover-test",
-        log_to_driver=False,
-    )
+    # The default HTTP path (HAProxy): the cluster's processes need its environment from the start,
+    # as deploy/ starts Ray with it; HAProxy's side ports are made free ones.
+    haproxy = IngressConfig().ray_env() | {
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+    }
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in haproxy.items():
+            env.setenv(name, value)
+        cluster = LocalCluster(
+            LocalClusterShape(nodes=5, slots_per_node=1, cpus_per_node=4, object_store_bytes=150 << 20),
+            namespace="failover-test",
+            log_to_driver=False,
+        )
     try:
         config = tmp_path_factory.mktemp("failover") / "pp2.yaml"
         config.write_text(
             f"model: {models_dir / 'tiny-llama'}\nserved_model_name: tiny-llama\ngroups: 2\n"
-            f"pipeline_parallel_size: 2\ncpu: {{threads_per_worker: 1}}\ningress: {{proxy: serve}}\n"
-            f"cluster: {{address: '{cluster.address}'}}\n"
+            f"pipeline_parallel_size: 2\ncpu: {{threads_per_worker: 1}}\ncluster: {{address: '{cluster.address}'}}\n"
         )
         with flotilla_serve(str(config), env={"FLOTILLA_ADMIN_TOKEN": TOKEN}) as running:
             yield cluster, running
