@@ -206,7 +206,7 @@ def test_health_and_metrics(server: Server) -> None:
     assert metric(text, "flotilla_routing_decision_seconds_count", policy="cache_aware") > 0
     assert "flotilla_routing_matched_block_ratio_bucket" in text
     for group in GROUPS:
-        assert re.search(rf'^flotilla_group_load\{{group="{group}",signal="kv_usage"\}}', text, re.M)
+        assert re.search(rf'^flotilla_group_load\{{group="{group}",replica="[^"]+",signal="kv_usage"\}}', text, re.M)
     for group in GROUPS:  # each engine's own counters, re-exported with a group label
         assert metric(text, "vllm:generation_tokens_total", group=group) > 0
         assert re.search(rf'^vllm:kv_cache_usage_perc\{{[^}}]*group="{group}"', text, re.M)
