@@ -5,14 +5,19 @@ Benchmarks import this module (and ``devtools``), never each other.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from devtools import REPO, stop_gracefully, wait_for, wait_serving
+from flotilla.cluster.ports import free_port
 
 RESULTS = REPO / "bench" / "results"
 ENGINE_ENV = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -31,6 +36,15 @@ def write_docs_section(section: str, body: str, title: str) -> None:
     DOCS.write_text(text)
 
 
+def publish(section: str, title: str, report: str, data: dict[str, Any], docs: bool) -> None:
+    """A run's results: bench/results/SECTION.{json,md}, its docs/benchmarks.md section (``docs``), stdout."""
+    (RESULTS / f"{section}.json").write_text(json.dumps(data, indent=2))
+    (RESULTS / f"{section}.md").write_text(report + "\n")
+    if docs:
+        write_docs_section(section, report, title)
+    print(report)
+
+
 # --- server processes --------------------------------------------------------------------------------------
 
 
@@ -42,6 +56,20 @@ class Process:
 
     def stop(self) -> None:
         stop_gracefully(self.process)
+
+
+def start_flotilla(name: str, model: str, groups: int, env: dict[str, str] | None = None) -> tuple[str, Process]:
+    """``flotilla serve`` of ``models/MODEL`` with ``groups`` groups (one OpenMP thread per worker) on a free
+    port; its URL and process (not ready yet: see :func:`wait_ready`)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    config = Path(tempfile.mkdtemp()) / f"{name}.yaml"
+    config.write_text(
+        f"model: {REPO / 'models' / model}\nserved_model_name: {model}\ngroups: {groups}\nport: {port}\n"
+        "cpu: {threads_per_worker: 1}\n"
+    )
+    command = [sys.executable, "-m", "flotilla.cli", "serve", "--config", str(config)]
+    return f"http://127.0.0.1:{port}", Process(name, command, env or {}, RESULTS)
 
 
 def wait_ready(url: str, process: Process, timeout_s: float = 900) -> None:

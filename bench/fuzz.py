@@ -17,7 +17,6 @@ import json
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -26,9 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import RESULTS, Process, wait_ready, write_docs_section
+from bench.common import RESULTS, publish, start_flotilla, wait_ready
 from devtools import REPO
-from flotilla.cluster.ports import free_port
 
 SECTION = "fuzz"
 MODEL = "tiny-llama"
@@ -147,16 +145,7 @@ def main() -> None:
     args = parser.parse_args()
     from importlib.metadata import version
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    config = Path(tempfile.mkdtemp()) / "fuzz.yaml"
-    config.write_text(
-        f"model: {REPO / 'models' / MODEL}\nserved_model_name: {MODEL}\ngroups: 2\nport: {port}\n"
-        "cpu: {threads_per_worker: 1}\n"
-    )
-    env = {"FLOTILLA_ADMIN_TOKEN": ADMIN_TOKEN}
-    server = Process(SECTION, [sys.executable, "-m", "flotilla.cli", "serve", "--config", str(config)], env, RESULTS)
-    url = f"http://127.0.0.1:{port}"
+    url, server = start_flotilla(SECTION, MODEL, groups=2, env={"FLOTILLA_ADMIN_TOKEN": ADMIN_TOKEN})
     report_dir = RESULTS / "fuzz-reports"
     shutil.rmtree(report_dir, ignore_errors=True)
     try:
@@ -177,17 +166,9 @@ def main() -> None:
     report = markdown(
         result, serves_after, ("python -m bench.fuzz " + " ".join(sys.argv[1:])).strip(), version("schemathesis")
     )
-    (RESULTS / f"{SECTION}.json").write_text(
-        json.dumps(
-            {"args": vars(args), "operations": sorted(result.operations), "statuses": result.statuses}
-            | {"server_errors": result.server_errors, "no_response": result.no_response, "serves_after": serves_after},
-            indent=2,
-        )
-    )
-    (RESULTS / f"{SECTION}.md").write_text(report + "\n")
-    if not args.no_docs:
-        write_docs_section(SECTION, report, "Fuzz: schemathesis over the served OpenAPI document")
-    print(report)
+    data = {"args": vars(args), "operations": sorted(result.operations), "statuses": result.statuses}
+    data |= {"server_errors": result.server_errors, "no_response": result.no_response, "serves_after": serves_after}
+    publish(SECTION, "Fuzz: schemathesis over the served OpenAPI document", report, data, docs=not args.no_docs)
 
 
 if __name__ == "__main__":

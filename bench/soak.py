@@ -19,20 +19,16 @@ import asyncio
 import itertools
 import json
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import date
-from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 
-from bench.common import RESULTS, Process, wait_ready, write_docs_section
-from devtools import REPO
-from flotilla.cluster.ports import free_port
+from bench.common import publish, start_flotilla, wait_ready
 
 SECTION = "soak"
 MODEL = "tiny-llama"
@@ -196,32 +192,16 @@ def main() -> None:
     parser.add_argument("--warmup-s", type=float, default=60)
     parser.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    config = Path(tempfile.mkdtemp()) / "soak.yaml"
-    config.write_text(
-        f"model: {REPO / 'models' / MODEL}\nserved_model_name: {MODEL}\ngroups: 2\nport: {port}\n"
-        "cpu: {threads_per_worker: 1}\n"
-    )
-    server = Process(SECTION, [sys.executable, "-m", "flotilla.cli", "serve", "--config", str(config)], {}, RESULTS)
-    url = f"http://127.0.0.1:{port}"
+    url, server = start_flotilla(SECTION, MODEL, groups=2)
     try:
         wait_ready(url, server)
         result = asyncio.run(soak(url, args.streams, args.duration_s))
     finally:
         server.stop()
     report = markdown(result, args.warmup_s, ("python -m bench.soak " + " ".join(sys.argv[1:])).strip())
-    (RESULTS / f"{SECTION}.json").write_text(
-        json.dumps(
-            {"args": vars(args), "requests": result.requests, "failures": result.failures}
-            | {"unfinished": result.unfinished, "samples": [asdict(s) for s in result.samples]},
-            indent=2,
-        )
-    )
-    (RESULTS / f"{SECTION}.md").write_text(report + "\n")
-    if not args.no_docs:
-        write_docs_section(SECTION, report, "Soak: concurrent clients for minutes, nothing lost or growing")
-    print(report)
+    data = {"args": vars(args), "requests": result.requests, "failures": result.failures}
+    data |= {"unfinished": result.unfinished, "samples": [asdict(s) for s in result.samples]}
+    publish(SECTION, "Soak: concurrent clients for minutes, nothing lost or growing", report, data, not args.no_docs)
 
 
 if __name__ == "__main__":

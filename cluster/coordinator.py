@@ -126,10 +126,10 @@ class Coordinator:
             self._eplb_driver = asyncio.create_task(self._drive_eplb(self.expert_parallel))
         adopted = [False] * len(self.records)
         # An operator's routing choice outlives a coordinator restart, not a new `flotilla serve`.
-        self.routing = await routing_store.load(self.namespace) if self._restarted else None
         if not self._restarted:
             await routing_store.save(self.namespace, None)
-        if self._restarted:
+        else:
+            self.routing = await routing_store.load(self.namespace)
             adopted = await asyncio.gather(*(record.runtime.adopt() for record in self.records.values()))
             logger.warning("coordinator restarted: adopted %d of %d groups", sum(adopted), len(adopted))
         for record, ready in zip(self.records.values(), adopted, strict=True):

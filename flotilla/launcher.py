@@ -31,6 +31,7 @@ from flotilla.cluster.planner import GIB, ClusterSpec, LinkKind, Workload, choos
 from flotilla.cluster.ports import free_port
 from flotilla.config import ServeConfig
 from flotilla.haproxy_guard import guard_haproxy
+from flotilla.router.api_keys import parse_keys
 
 SERVE_APP_NAME = "flotilla"
 HEARTBEAT_S = 10.0
@@ -112,8 +113,7 @@ def _check_serving(config: ServeConfig) -> None:
 def _api_keys(config: ServeConfig) -> tuple[str, ...]:
     if not config.serving.api_keys_env:
         return ()
-    raw = os.environ.get(config.serving.api_keys_env, "")
-    return tuple(key.strip() for key in raw.split(",") if key.strip())
+    return parse_keys(os.environ.get(config.serving.api_keys_env, ""))
 
 
 def _plan_layout(config: ServeConfig) -> tuple[ServeConfig, list[str]]:

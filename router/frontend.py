@@ -116,9 +116,8 @@ async def build_openai_app(args: Namespace, engine_client: Any) -> FastAPI:
     from flotilla.router.engine_client import SUPPORTED_TASKS
 
     app = build_app(args, SUPPORTED_TASKS, engine_client.model_config)
-    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in REPLACED_ROUTES]
     await init_app_state(engine_client, app.state, args, SUPPORTED_TASKS)
     unserved = {path for path, handler in ROUTES_NEEDING_A_HANDLER.items() if getattr(app.state, handler, None) is None}
-    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in unserved]
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", None) not in REPLACED_ROUTES | unserved]
     app.state.server = None  # vLLM's engine-error handler reads it; no uvicorn server of vLLM's runs here
     return app
