@@ -95,7 +95,7 @@ config = LLMConfig(
                    "num_gpu_blocks_override": %(blocks)d, "max_model_len": %(max_model_len)d,
                    "enable_prompt_tokens_details": True,
                    "compilation_config": {"mode": 2, "backend": "eager"}},
-    deployment_config={"num_replicas": %(replicas)d%(router)s},
+    deployment_config={"num_replicas": %(replicas)d%(deployment_extra)s},
 )
 serve.start(http_options={"host": "127.0.0.1", "port": %(port)d})
 serve.run(build_openai_app({"llm_configs": [config]}), blocking=False)
@@ -105,12 +105,12 @@ ray.shutdown()
 """
 
 
-def serve_running_replicas(dashboard: str) -> dict[str, int]:
-    """replica id → pid of the LLM deployment's RUNNING replicas, from Ray Serve's REST API."""
+def serve_running_replicas(dashboard: str) -> dict[str, int] | None:
+    """replica id → pid of the LLM deployment's RUNNING replicas, from Ray Serve's REST API; None: no answer."""
     try:
         apps = httpx.get(f"{dashboard}/api/serve/applications/", timeout=10).json()["applications"]
     except (httpx.HTTPError, ValueError, KeyError):
-        return {}
+        return None
     return {
         replica["replica_id"]: int(replica.get("pid") or 0)
         for app in apps.values()
@@ -127,7 +127,7 @@ def wait_replicas_running(dashboard: str, replicas: int, process: Process, timeo
     def all_running() -> bool:
         if process.process.poll() is not None:
             raise RuntimeError(f"{process.name} exited; see its log in {RESULTS}")
-        return len(serve_running_replicas(dashboard)) >= replicas
+        return len(serve_running_replicas(dashboard) or {}) >= replicas
 
     if not wait_for(all_running, timeout_s, 1):
         raise RuntimeError(f"{process.name}: {replicas} replicas not running; see its log in {RESULTS}")
