@@ -23,12 +23,26 @@ def free_ports(count: int) -> list[int]:
     random.shuffle(candidates)
     chosen: list[int] = []
     for port in candidates:
-        with socket.socket() as sock:
-            try:
-                sock.bind(("", port))
-            except OSError:
-                continue
+        if not _free(port):
+            continue
         chosen.append(port)
         if len(chosen) == count:
             return chosen
     raise RuntimeError(f"fewer than {count} free TCP ports in {PORT_RANGE}")
+
+
+def free_port_run(length: int) -> int:
+    """A port p with p … p + length - 1 all free right now (a base port its owner counts up from)."""
+    for base in free_ports(64):
+        if base + length <= PORT_RANGE[1] and all(_free(port) for port in range(base, base + length)):
+            return base
+    raise RuntimeError(f"no run of {length} free TCP ports found in {PORT_RANGE}")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from flotilla.cluster.config import ConfigError
 from flotilla.cluster.contract import DEFAULT_NAMESPACE
@@ -21,7 +22,11 @@ def _say(message: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from flotilla import launcher
 
-    overrides = {key: value for key, value in (("host", args.host), ("port", args.port)) if value is not None}
+    overrides: dict[str, Any] = {
+        key: value for key, value in (("host", args.host), ("port", args.port)) if value is not None
+    }
+    if args.metrics_port is not None:
+        overrides["ingress"] = {"metrics_port": args.metrics_port}
     try:
         config = ServeConfig.from_yaml(args.config, overrides)
         launcher.run_forever(config, _say, verbose=args.verbose)
@@ -129,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default: {DEFAULT_CONFIG})")
     serve.add_argument("--host", help="override the config's host")
     serve.add_argument("--port", type=int, help="override the config's port")
+    serve.add_argument("--metrics-port", type=int, help="override the config's ingress.metrics_port")
     serve.add_argument("-v", "--verbose", action="store_true", help="show Ray and vLLM logs")
     serve.set_defaults(func=cmd_serve)
 

@@ -119,6 +119,14 @@ class ServeConfig(BaseModel):
         return self
 
     @property
+    def replica_metrics_port(self) -> int | None:
+        """Base port of the ingress replicas' own metrics: ingress.metrics_port, else the serving port + 1
+        when there are several replicas (each scrape of the serving port reaches only one of them)."""
+        if self.ingress.metrics_port is not None or self.ingress.replicas == 1:
+            return self.ingress.metrics_port
+        return self.port + 1
+
+    @property
     def groups_to_serve(self) -> int:
         """How many groups must be ready before the ingress serves."""
         return self.min_ready_groups or self.groups
@@ -160,7 +168,8 @@ class ServeConfig(BaseModel):
             raise ConfigError(f"cannot read config {path}: {err}") from err
         if not isinstance(raw, dict):
             raise ConfigError(f"config {path} must be a mapping, got {type(raw).__name__}")
-        raw |= overrides or {}
+        for key, value in (overrides or {}).items():  # a nested override (ingress.metrics_port) keeps its siblings
+            raw[key] = raw[key] | value if isinstance(value, dict) and isinstance(raw.get(key), dict) else value
         try:
             return cls.model_validate(raw)
         except ValidationError as err:

@@ -203,7 +203,7 @@ async def start(config: ServeConfig, say: Say, verbose: bool = False) -> Deploym
         if not independent:
             await deployment.coordinator.serving_started.remote()
         _deploy_ingress(deployment, membership)
-        if (port := config.ingress.metrics_port) is not None:
+        if (port := config.replica_metrics_port) is not None:
             last = port + config.ingress.replicas - 1
             say(
                 f"each ingress replica's own metrics: http://{config.host}:{port}"
@@ -340,7 +340,7 @@ def _deploy_ingress(deployment: Deployment, membership: Membership) -> None:
         serving=config.serving,
         api_keys=_api_keys(config),
         api_keys_file=str(Path(config.serving.api_keys_file).resolve()) if config.serving.api_keys_file else None,
-        metrics_port=config.ingress.metrics_port,
+        metrics_port=config.replica_metrics_port,
         metrics_host=config.host,
     )
     on_head = config.ingress.placement == "head"

@@ -128,7 +128,14 @@ class IngressConfig(BaseModel):
     drain_period_s: float = Field(
         2.0, ge=0, description="How long a stopping ingress replica keeps accepting (haproxy mode)."
     )
-    replicas: int = Field(1, ge=1, description="Ingress replicas.")
+    replicas: int = Field(
+        2,
+        ge=1,
+        description=(
+            "Ingress replicas. Two by default, on one machine too: when one dies, HAProxy (or Serve's proxy) sends "
+            "new requests to the other at once, and only the requests in flight on the dead one fail."
+        ),
+    )
     placement: Literal["head", "any"] = Field(
         "head",
         description=(
@@ -145,8 +152,8 @@ class IngressConfig(BaseModel):
             "Each ingress replica serves its own series (requests, latency, routing; labelled replica) on "
             "GET /metrics at metrics_port + its rank on its node, for Prometheus to scrape every replica directly: "
             "the serving port reaches one replica per request. /metrics?scope=cluster on the serving port then "
-            "gives the rest (groups, engines), which every replica reports alike. null: off (one replica's "
-            "/metrics on the serving port has everything)."
+            "gives the rest (groups, engines), which every replica reports alike. null: the serving port + 1 with "
+            "several replicas; off with one (its /metrics on the serving port has everything)."
         ),
     )
 

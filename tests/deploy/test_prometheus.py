@@ -181,7 +181,18 @@ def prometheus(server: Server, eplb_demo: str, prometheus_bin: Path, tmp_path_fa
         "global": {"scrape_interval": "3s", "evaluation_interval": "1s", "scrape_timeout": "3s"},
         "rule_files": [str(rules_for_test(workdir))],
         "scrape_configs": [
-            {"job_name": "flotilla", "static_configs": [{"targets": [server.url.removeprefix("http://")]}]},
+            # As the chart's ServiceMonitor: every ingress replica on its own port, the rest from the serving
+            # port (?scope=cluster), all under job="flotilla".
+            {
+                "job_name": "flotilla",
+                "params": {"scope": ["cluster"]},
+                "static_configs": [{"targets": [server.url.removeprefix("http://")]}],
+            },
+            {
+                "job_name": "flotilla-ingress-replicas",
+                "static_configs": [{"targets": server.replica_metrics_targets()}],
+                "relabel_configs": [{"target_label": "job", "replacement": "flotilla"}],
+            },
             {"job_name": "flotilla-eplb-demo", "static_configs": [{"targets": [eplb_demo]}]},
         ],
     }

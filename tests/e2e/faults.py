@@ -45,8 +45,8 @@ def wait_back_in_routing(server: Server, name: str, generation: int) -> dict[str
 
 
 def group_metric(server: Server, metric: str, name: str) -> float:
-    """``metric`` summed over every series of the ingress's /metrics labelled with group ``name``."""
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    """``metric`` summed over every series of the ingress replicas' metrics labelled with group ``name``."""
+    text = server.metrics()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()

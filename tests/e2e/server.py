@@ -12,11 +12,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 from devtools import REPO, stop_gracefully, wait_serving
-from flotilla.cluster.ports import free_port
+from flotilla.cluster.ports import free_port, free_port_run
 
 STARTUP_TIMEOUT_S = 600
 SHUTDOWN_TIMEOUT_S = 90
+REPLICA_METRICS_PORTS = 4  # a free run this long, for configs of up to 4 ingress replicas
+REPLICA_METRICS = re.compile(r"each ingress replica's own metrics: http://([^:/]+):(\d+)(?:\.\.(\d+))?/metrics")
 
 
 @dataclass
@@ -29,14 +33,40 @@ class Server:
     def output(self) -> str:
         return "\n".join(self.lines)
 
+    def replica_metrics_targets(self) -> list[str]:
+        """host:port of every ingress replica's own metrics, as the launcher announced them."""
+        found = REPLICA_METRICS.search(self.output())
+        if found is None:
+            return []
+        first, last = int(found[2]), int(found[3] or found[2])
+        return [f"{found[1]}:{port}" for port in range(first, last + 1)]
+
+    def metrics(self) -> str:
+        """Every ingress replica's own series (scraped from its metrics port, as the chart's ServiceMonitor does)
+        and the cluster's (``/metrics?scope=cluster`` on the serving port): one scrape of the serving port
+        reaches one replica only."""
+        targets = self.replica_metrics_targets()
+        if not targets:
+            return httpx.get(f"{self.url}/metrics", timeout=30).text
+        texts = [httpx.get(f"http://{target}/metrics", timeout=30).text for target in targets]
+        texts.append(httpx.get(f"{self.url}/metrics", params={"scope": "cluster"}, timeout=30).text)
+        return "\n".join(texts)
+
 
 @contextmanager
 def flotilla_serve(
-    config: str = "examples/local-cpu.yaml", env: dict[str, str] | None = None, port: int | None = None
+    config: str = "examples/local-cpu.yaml",
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+    metrics_port: int | None = None,
 ) -> Iterator[Server]:
+    """``metrics_port``: the replicas' own metrics ports start there (default: a free run of ports, so a
+    server started while another one runs never meets its ports)."""
     port = port or free_port()
+    metrics_port = metrics_port or free_port_run(REPLICA_METRICS_PORTS)
+    command = ["serve", "--config", config, "--port", str(port), "--metrics-port", str(metrics_port)]
     process = subprocess.Popen(
-        [sys.executable, "-m", "flotilla.cli", "serve", "--config", config, "--port", str(port)],
+        [sys.executable, "-m", "flotilla.cli", *command],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from devtools import Load, wait_for
 from flotilla.cluster.contract import COORDINATOR_NAME, DEFAULT_NAMESPACE, leader_actor_name
-from flotilla.cluster.ports import free_port
+from flotilla.cluster.ports import free_port_run
 from flotilla.cluster.ray_connect import connect
 from tests.e2e.faults import TOKEN, admin
 from tests.e2e.server import Server, flotilla_serve
@@ -32,19 +31,6 @@ from tests.e2e.server import Server, flotilla_serve
 pytestmark = pytest.mark.e2e
 REPLICAS = 2
 KEY = "first-key"
-
-
-def free_port_run(length: int) -> int:
-    """A port p with p … p + length - 1 all free."""
-    while True:
-        base = free_port()
-        try:
-            for port in range(base, base + length):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +48,9 @@ def replicas(
     config = tmp_path_factory.mktemp("replicas") / "two-ingress-replicas.yaml"
     config.write_text(
         f"model: {models_dir / 'tiny-llama'}\nserved_model_name: tiny-llama\ncpu: {{threads_per_worker: 1}}\n"
-        f"ingress: {{replicas: {REPLICAS}, metrics_port: {base}}}\nserving: {{api_keys_file: '{key_file}'}}\n"
+        f"ingress: {{replicas: {REPLICAS}}}\nserving: {{api_keys_file: '{key_file}'}}\n"
     )
-    with flotilla_serve(str(config), env={"FLOTILLA_ADMIN_TOKEN": TOKEN}) as running:
+    with flotilla_serve(str(config), env={"FLOTILLA_ADMIN_TOKEN": TOKEN}, metrics_port=base) as running:
         connect(running.ray_address)
         yield running, list(range(base, base + REPLICAS))
         ray.shutdown()

@@ -42,12 +42,14 @@ def ray_driver(server: Server):
 
 
 def metric(text: str, name: str, **labels: str) -> float:
+    """The samples called ``name`` with ``labels``, summed (over ingress replicas, for instance)."""
     selector = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     pattern = re.compile(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", re.M)
-    for found_labels, value in pattern.findall(text):
-        if all(part in found_labels.split(",") for part in selector.split(",")):
-            return float(value)
-    return 0.0
+    return sum(
+        float(value)
+        for found_labels, value in pattern.findall(text)
+        if all(part in found_labels.split(",") for part in selector.split(","))
+    )
 
 
 def test_startup_shows_progress_per_group(server: Server) -> None:
@@ -171,10 +173,10 @@ def test_server_still_serves_after_bad_input(client: openai.OpenAI) -> None:
 
 
 def test_both_groups_receive_traffic(server: Server, client: openai.OpenAI) -> None:
-    before = httpx.get(f"{server.url}/metrics").text
+    before = server.metrics()
     for i in range(4):
         client.completions.create(model=MODEL, prompt=f"request {i}", max_tokens=4, extra_body={"ignore_eos": True})
-    after = httpx.get(f"{server.url}/metrics").text
+    after = server.metrics()
     served = {
         group: metric(after, "flotilla_generation_tokens_total", group=group)
         - metric(before, "flotilla_generation_tokens_total", group=group)
@@ -199,7 +201,7 @@ def test_a_repeated_prefix_is_served_from_the_engine_cache_it_was_routed_to(clie
 def test_health_and_metrics(server: Server) -> None:
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 200 and health.json()["groups"] == list(GROUPS)
-    text = httpx.get(f"{server.url}/metrics").text
+    text = server.metrics()
     assert metric(text, "flotilla_requests_total", endpoint="completions", status="200") > 0
     assert metric(text, "flotilla_requests_total", endpoint="completions", status="404") > 0
     assert "flotilla_time_to_first_token_seconds_bucket" in text
@@ -227,7 +229,7 @@ def test_client_disconnect_aborts_the_engine_request(server: Server, ray_driver)
         assert unfinished() == 1
     # 2000 tokens take well over 10 s here; the abort must free the engine long before that.
     assert wait_for(lambda: unfinished() == 0, timeout_s=5), "engine request still running after disconnect"
-    text = httpx.get(f"{server.url}/metrics").text
+    text = server.metrics()
     assert metric(text, "flotilla_aborted_requests_total", endpoint="completions") == 1
 
 

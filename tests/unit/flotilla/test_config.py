@@ -39,6 +39,24 @@ def test_overrides_win(tmp_path) -> None:
     assert config.port == 9001
 
 
+def test_a_nested_override_keeps_the_sections_other_keys(tmp_path) -> None:
+    config = ServeConfig.from_yaml(
+        write(tmp_path, "model: m\ningress: {replicas: 3, metrics_port: 9500}\n"), {"ingress": {"metrics_port": 9600}}
+    )
+    assert (config.ingress.replicas, config.ingress.metrics_port) == (3, 9600)
+
+
+def test_two_ingress_replicas_by_default_each_scraped_on_its_own_port(tmp_path) -> None:
+    """One scrape of the serving port reaches one replica: with several, each gets a metrics port of its own."""
+    config = ServeConfig.from_yaml(REPO / "examples/local-cpu.yaml")
+    assert config.ingress.replicas == 2
+    assert config.replica_metrics_port == config.port + 1
+    chosen = ServeConfig.from_yaml(write(tmp_path, "model: m\nport: 8000\ningress: {metrics_port: 9500}\n"))
+    assert chosen.replica_metrics_port == 9500
+    single = ServeConfig.from_yaml(write(tmp_path, "model: m\ningress: {replicas: 1}\n"))
+    assert single.replica_metrics_port is None  # its /metrics on the serving port has everything
+
+
 @pytest.mark.parametrize(
     ("fields", "rule"),
     [
