@@ -226,11 +226,18 @@ def metric_sum(text: str, name: str, label: str | None = None) -> dict[str, floa
 
 
 class FlotillaStack:
-    def __init__(self, blocks: int, ingress_replicas: int, port: int) -> None:
+    def __init__(self, blocks: int, ingress_replicas: int, port: int, groups: int = 4) -> None:
         self.url = f"http://127.0.0.1:{port}"
+        # Routing counters are each replica's own: with several, read every replica's metrics port
+        # (the serving port + 1 onwards, ServeConfig.replica_metrics_port).
+        self.metrics_urls = (
+            [f"http://127.0.0.1:{port + 1 + rank}/metrics" for rank in range(ingress_replicas)]
+            if ingress_replicas > 1
+            else [f"{self.url}/metrics"]
+        )
         config = Path(tempfile.mkdtemp()) / "route-bench.yaml"
         config.write_text(
-            f"model: {MODEL}\nserved_model_name: {MODEL_NAME}\ngroups: 4\nport: {port}\n"
+            f"model: {MODEL}\nserved_model_name: {MODEL_NAME}\ngroups: {groups}\nport: {port}\n"
             f"engine_args: {{num_gpu_blocks_override: {blocks}, max_model_len: 4096}}\n"
             f"cpu: {{threads_per_worker: 1}}\ningress: {{replicas: {ingress_replicas}}}\n"
         )
@@ -248,14 +255,20 @@ class FlotillaStack:
         )
         response.raise_for_status()
 
-    def prepare(self, policy: str) -> None:
-        self._admin("PUT", "/admin/routing", {"policy": policy, "params": {}})
+    def prepare(self, policy: str, params: dict[str, float] | None = None) -> None:
+        """Route by ``policy`` from now on, every engine's prefix cache empty."""
+        self._admin("PUT", "/admin/routing", {"policy": policy, "params": params or {}})
         self._admin("POST", "/admin/reset_prefix_cache")
 
+    def engine_prefix_cache(self) -> tuple[float, float]:
+        """(hit tokens, queried tokens) so far, summed over every group's engine (their own counters)."""
+        text = httpx.get(f"{self.url}/metrics", params={"scope": "cluster"}, timeout=30).text
+        hits = sum(metric_sum(text, "vllm:prefix_cache_hits_total").values())
+        return hits, sum(metric_sum(text, "vllm:prefix_cache_queries_total").values())
+
     def per_group(self) -> dict[str, float]:
-        return metric_sum(
-            httpx.get(f"{self.url}/metrics", timeout=30).text, "flotilla_routing_decisions_total", "group"
-        )
+        texts = [httpx.get(url, timeout=30).text for url in self.metrics_urls]
+        return metric_sum("\n".join(texts), "flotilla_routing_decisions_total", "group")
 
     def stop(self) -> None:
         self.process.stop()
@@ -363,7 +376,7 @@ class RayServeLlm:
             "max_model_len": 4096,
             "port": port,
             "replicas": 4,
-            "router": ', "request_router_config": {"request_router_class": PrefixCacheAffinityRouter}',
+            "deployment_extra": ', "request_router_config": {"request_router_class": PrefixCacheAffinityRouter}',
             "dashboard": True,
             "dashboard_port": port + 1,
         }

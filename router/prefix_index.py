@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 CONFIRMED = 1
 STORED = 2
 
@@ -50,6 +52,8 @@ class PrefixIndex:
         self._groups: dict[str, _GroupCache] = {}
         self._names: dict[int, str] = {}  # bit → group
         self._precise_mask = 0
+        self.held = np.zeros(64, dtype=np.int64)
+        """Entries per group, by :meth:`slot`: a column the router reads without a loop over groups."""
 
     # --- groups ----------------------------------------------------------------------------------
     def add_group(self, group: str, capacity_blocks: int) -> None:
@@ -59,6 +63,13 @@ class PrefixIndex:
         bit = next(b for b in range(len(self._names) + 1) if b not in self._names)
         self._groups[group] = _GroupCache(1 << bit, capacity_blocks)
         self._names[bit] = group
+        if bit >= len(self.held):
+            self.held = np.concatenate([self.held, np.zeros(len(self.held), dtype=np.int64)])
+        self.held[bit] = 0
+
+    def slot(self, group: str) -> int:
+        """The group's position in :attr:`held` (stable while it is indexed)."""
+        return self._groups[group].bit.bit_length() - 1
 
     def remove_group(self, group: str) -> None:
         cache = self._groups.get(group)
@@ -191,9 +202,11 @@ class PrefixIndex:
             holders[key] = holders.get(key, 0) | bit
         while len(entries) > cache.capacity_blocks:
             self._drop(cache, next(iter(entries)))
+        self.held[bit.bit_length() - 1] = len(entries)
 
     def _drop(self, cache: _GroupCache, key: int) -> None:
         del cache.entries[key]
+        self.held[cache.bit.bit_length() - 1] -= 1
         for holders in (self._stored, self._confirmed):
             remaining = holders.get(key, 0) & ~cache.bit
             if remaining:

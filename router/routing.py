@@ -70,6 +70,8 @@ class Router:
         self._running = np.zeros(INITIAL_ROWS, dtype=np.int64)
         self._waiting = np.zeros(INITIAL_ROWS, dtype=np.int64)
         self._kv_usage = np.zeros(INITIAL_ROWS, dtype=np.float64)
+        self._capacity = np.zeros(INITIAL_ROWS, dtype=np.int64)
+        self._slot = np.zeros(INITIAL_ROWS, dtype=np.int64)  # the group's column in index.held
         self._live_rows = np.zeros(0, dtype=np.int64)
 
     # --- membership --------------------------------------------------------------------------
@@ -83,6 +85,7 @@ class Router:
         self.index.add_group(name, capacity_blocks)
         row = self._rows.get(name)
         if row is not None and self._live[row]:
+            self._capacity[row] = capacity_blocks
             return
         if row is None:
             row = len(self._names)
@@ -93,6 +96,7 @@ class Router:
             self._in_flight[row] = self._pending[row] = 0
         for column in (self._running, self._waiting, self._kv_usage):
             column[row] = 0
+        self._capacity[row], self._slot[row] = capacity_blocks, self.index.slot(name)
         self._live[row] = True
         self._live_rows = np.flatnonzero(self._live)
 
@@ -147,6 +151,7 @@ class Router:
             engine_waiting=self._waiting[pick],
             kv_usage=self._kv_usage[pick],
             matched_blocks=matched,
+            free_blocks=self._capacity[pick] - self.index.held[self._slot[pick]],
         )
         choice = self.policy.choose(request, candidates)
         row = int(rows[choice])
@@ -184,7 +189,7 @@ class Router:
 
     def _grow(self) -> None:
         size = 2 * len(self._live)
-        for attr in ("_live", "_in_flight", "_pending", "_running", "_waiting", "_kv_usage"):
+        for attr in ("_live", "_in_flight", "_pending", "_running", "_waiting", "_kv_usage", "_capacity", "_slot"):
             column = getattr(self, attr)
             grown = np.zeros(size, dtype=column.dtype)
             grown[: len(column)] = column

@@ -126,7 +126,9 @@ class SimCluster:
                     submit(session, turn_index + 1, request.finished_s or now)
                 elif pending:
                     submit(pending.pop(), 0, request.finished_s or now)
-            if duration > 0:
+            if engine.name in self._busy:  # a turn submitted above woke it (at the step's end) already
+                pass
+            elif duration > 0:
                 self._schedule(engine, now + duration)
             elif engine.has_work():  # blocked on KV space with nothing running cannot happen; guard anyway
                 raise RuntimeError(f"{engine.name} cannot make progress")

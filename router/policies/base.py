@@ -44,6 +44,9 @@ class Candidates:
     """From the engine's last scheduler stats (they cover every ingress's requests)."""
     matched_blocks: np.ndarray
     """Leading prompt blocks each group holds, for this request (zeros unless the policy uses prefixes)."""
+    free_blocks: np.ndarray
+    """KV blocks each group's cache holds nothing in, as its index knows it (capacity − cached blocks): what
+    a prefix computed there fills before it evicts cached ones."""
 
     @property
     def outstanding(self) -> np.ndarray:

@@ -1,25 +1,35 @@
-"""Cache-aware: the group where the request's first token comes soonest, cached prefix included.
+"""Cache-aware: the group where the request's first token comes soonest, cached prefix included,
+without trading other prefixes' cache for it.
 
 Per request, in three steps:
 
-1. **Filter saturated groups.** A group is saturated when its KV cache is nearly full
-   (``kv_saturation``) or it carries more than ``balance_abs`` + ``balance_rel`` × the least
-   loaded group's outstanding requests. Saturated groups get no traffic while another group is
-   not saturated, so affinity never piles onto a busy group — and a hot prefix, once its
-   holder is saturated, spreads to the next group, which then holds it too.
-2. **Score** every remaining group by the work ahead of this request's first token, in
-   prompt-token units::
+1. **Filter saturated groups.** A group is saturated when it carries more than ``balance_abs`` +
+   ``balance_rel`` × the least loaded group's outstanding requests (or, if enabled, its KV cache
+   is nearly full: ``kv_saturation``). Saturated groups get no traffic while another group is not
+   saturated, so affinity never piles onto a busy group — and a hot prefix, once its holder is
+   saturated, spreads to the next group, which then holds it too.
+2. **Score** every remaining group by the work ahead of this request's first token, and the cache
+   it would cost, in prompt-token units::
 
        cost = pending_prefill_tokens + (prompt_tokens − matched_blocks × block_size)
               + decode_weight × outstanding
               + duplicate_weight × (best_matched_blocks − matched_blocks) × block_size
+              + eviction_weight × max(0, uncached_blocks − free_blocks) × block_size
 
    i.e. the prefill already queued there, this request's uncached prefill, the decode steps it
-   shares with the group's running requests, and — when another group already holds more of
-   the prefix — the KV space a second copy would take from other prefixes. Misses therefore
-   go to the least-loaded group (not to the group with the smallest cache, which piles new
-   work onto busy groups).
+   shares with the group's running requests, the prefix a second copy would compute again when
+   another group already holds it, and the cached blocks computing it there would evict: under KV
+   pressure each of those is another prefix some later request misses. Misses therefore go to the
+   least-loaded group (not to the group with the smallest cache, which piles new work onto busy
+   groups), preferring one with room for them.
 3. **Pick** the cheapest; equal costs take turns in the order groups joined (deterministic, yet fair).
+
+Why the KV-usage filter is off by default (``kv_saturation`` 1.0): when requests share long
+prefixes, the KV cache of a busy group is nearly full of the running requests' blocks most of the
+time. That only means a new request waits for a running one to finish, which outstanding requests
+already count; treating it as saturation sent affine requests to groups that had to compute and
+cache their prefix again, evicting others, and the hit rate fell with every round (measured on
+the simulated engine, `bench/route_grid.py`).
 """
 
 from __future__ import annotations
@@ -56,8 +66,22 @@ class CacheAwareParams(PolicyParams):
         ),
     )
     balance_rel: float = Field(1.5, ge=1.0, description="See balance_abs.")
+    eviction_weight: float = Field(
+        1.0,
+        ge=0,
+        description=(
+            "Weight of the cached blocks this request's uncached prefill would evict on a group (the blocks it "
+            "needs beyond the group's free ones): each is a prefix some later request misses. 0 ignores it."
+        ),
+    )
     kv_saturation: float = Field(
-        0.95, gt=0, le=1.0, description="KV-cache usage at which a group is saturated; 1.0 disables this check."
+        1.0,
+        gt=0,
+        le=1.0,
+        description=(
+            "KV-cache usage at which a group is saturated; 1.0 (the default) disables this check: a full cache "
+            "of running requests' blocks means a short wait, which outstanding requests already count."
+        ),
     )
 
 
@@ -91,4 +115,8 @@ class CacheAwarePolicy(RoutingPolicy):
         cost += np.maximum(0, request.prompt_tokens - matched_tokens)
         if self.p.duplicate_weight:
             cost += self.p.duplicate_weight * (matched_tokens.max() - matched_tokens)
+        if self.p.eviction_weight:
+            prompt_blocks = -(-request.prompt_tokens // request.block_size)
+            evicted = np.maximum(0, prompt_blocks - groups.matched_blocks - groups.free_blocks)
+            cost += self.p.eviction_weight * request.block_size * evicted
         return cost

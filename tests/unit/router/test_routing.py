@@ -8,7 +8,7 @@ import pytest
 
 from bench.workloads import hot_prefix, optimal_hit_rate, shared_prefix
 from flotilla.router.block_keys import block_keys
-from flotilla.router.policies import make_policy
+from flotilla.router.policies import Candidates, RoutingRequest, make_policy
 from flotilla.router.routing import EngineLoad, Router
 from flotilla.router.settings import RoutingConfig
 from flotilla.router.sim_cluster import Session, SimCluster, Turn
@@ -58,10 +58,49 @@ def test_a_saturated_group_stops_receiving_affinity_traffic() -> None:
     assert serve(r, PROMPT, "again") == holder
     r.update_engine_load(holder, EngineLoad(running=20, waiting=0, kv_usage=0.3))  # > 8 + 1.5 × 0
     assert serve(r, PROMPT, "busy") == other
-    r.update_engine_load(holder, EngineLoad(running=0, waiting=0, kv_usage=0.97))  # KV nearly full
-    r.update_engine_load(other, EngineLoad(running=0, waiting=0, kv_usage=0.1))
-    r.index.clear(other)
-    assert serve(r, PROMPT, "kv-full") == other
+
+
+@pytest.mark.parametrize(("kv_saturation", "goes_to_holder"), [(1.0, True), (0.95, False)])
+def test_a_full_kv_cache_saturates_a_group_only_when_asked(kv_saturation: float, goes_to_holder: bool) -> None:
+    """By default a nearly full cache of running requests' blocks is a short wait, not a reason to compute the
+    prefix again elsewhere."""
+    r = router(groups=("a", "b"), kv_saturation=kv_saturation)
+    holder = serve(r, PROMPT)
+    other = "b" if holder == "a" else "a"
+    r.update_engine_load(holder, EngineLoad(running=1, waiting=0, kv_usage=0.97))
+    r.update_engine_load(other, EngineLoad(running=1, waiting=0, kv_usage=0.1))
+    assert (serve(r, PROMPT, "kv-full") == holder) is goes_to_holder
+
+
+@pytest.mark.parametrize(("eviction_weight", "expected"), [(1.0, "b"), (0.0, "a")])
+def test_a_miss_goes_where_it_evicts_no_cached_prefix(eviction_weight: float, expected: str) -> None:
+    """a's cache is full of other prefixes, b has room: a new prefix computed on a would evict them. (Without
+    the eviction term a wins the tie by join order.)"""
+    r = Router(make_policy("cache_aware", {"eviction_weight": eviction_weight}), BLOCK)
+    r.add_group("a", 8)
+    r.add_group("b", 64)
+    r.index.record_stored("a", block_keys([7] * 8 * BLOCK, BLOCK))
+    r.index.record_stored("b", block_keys([9] * 8 * BLOCK, BLOCK))
+    assert r.route("x", PROMPT).group == expected
+
+
+def test_the_routers_free_blocks_follow_the_index() -> None:
+    r = router(groups=("a", "b"))
+    r.index.record_stored("a", block_keys(PROMPT, BLOCK))
+    r.remove_group("b")
+    r.add_group("c", 500)
+    r.add_group("b", 1000)  # back, in a new index slot
+    r.index.record_stored("b", block_keys(PROMPT, BLOCK)[:2])
+    seen: list[list[int]] = []
+    choose = r.policy.choose
+
+    def recording(request: RoutingRequest, groups: Candidates) -> int:
+        seen.append(groups.free_blocks.tolist())
+        return choose(request, groups)
+
+    r.policy.choose = recording  # type: ignore[method-assign]
+    r.route("x", PROMPT)
+    assert seen == [[1000 - 4, 1000 - 2, 500]]  # rows in join order: a, b, c
 
 
 def test_misses_go_to_the_least_loaded_group_not_the_emptiest_cache() -> None:

@@ -1,0 +1,164 @@
+"""Routing policies over a workload grid, on the simulated engine: where a cost model holds and where not.
+
+Every cell runs the same sessions through each policy on ``SimCluster`` (``router/sim_engine.py``:
+vLLM-like paged KV cache with prefix caching, LRU eviction, KV events), in virtual time, so a grid of
+dozens of cells takes seconds and is deterministic. The grid varies what the real-engine benchmark
+(``bench/route_bench.py``) cannot afford to on two CPU cores: groups (2–8), KV blocks per group,
+prefix count and length, output length, concurrency, skew, and seeds. Workloads:
+
+* ``prefix_repetition``: vLLM ``bench serve``'s dataset of that name (a few long shared prefixes,
+  short unique suffixes, shuffled), sized so the prefixes fit the groups together but not one;
+* ``zipf``: the same with prefix popularity skewed (Zipf 1.2);
+* ``multiturn``: chats whose next turn extends the previous prompt and answer, behind one system prompt;
+* ``hot``: one prefix shared by every request (spreading it is what keeps throughput);
+* ``nosharing``: unrelated prompts (routing can only balance).
+
+Per cell and policy: engine-side hit rate, TTFT p50/p99, output tokens/s; the summary compares each
+policy to ``prefix_only`` (the pure-affinity baseline) over every cell. ``--variant NAME:k=v,…``
+adds a ``cache_aware`` with other parameters (e.g. the previous defaults) as one more policy.
+
+    python -m bench.route_grid [--variant before:kv_saturation=0.95,eviction_weight=0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import date
+from functools import partial
+
+from bench.common import RESULTS, percentile, publish
+from bench.workloads import hot_prefix, multi_turn, no_sharing, optimal_hit_rate, shared_prefix
+from flotilla.router.policies import make_policy
+from flotilla.router.routing import Router
+from flotilla.router.sim_cluster import Session, SimCluster
+from flotilla.router.sim_engine import SimEngineConfig
+
+SECTION = "route_grid"
+BLOCK = 128
+VOCAB = list(range(100, 30000))
+BASELINE = "prefix_only"
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    groups: int
+    blocks: int
+    concurrency: int
+    sessions: list[Session]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    hit_rate: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tokens_per_s: float
+
+
+def grid(seeds: list[int]) -> list[Cell]:
+    cells = []
+    for seed in seeds:
+        for groups, prefixes, blocks in [(2, 6, 48), (2, 10, 64), (3, 9, 48), (4, 12, 48), (8, 24, 48), (4, 8, 96)]:
+            sessions = shared_prefix(VOCAB, prefixes, 12, 1024, 64, 16, seed=seed)
+            for concurrency in (4, 8, 16):
+                name = f"prefix_repetition {groups}g × {blocks} blocks, {prefixes} × 1024 tok, c{concurrency}, s{seed}"
+                cells.append(Cell(name, groups, blocks, concurrency, sessions))
+        shared = partial(shared_prefix, VOCAB, seed=seed)
+        cells += [
+            Cell(f"prefix_repetition, 128 out, 2g, c8, s{seed}", 2, 48, 8, shared(6, 12, 1024, 64, 128)),
+            Cell(f"prefix_repetition, 2048 tok, 4g, c8, s{seed}", 4, 64, 8, shared(8, 12, 2048, 256, 32)),
+            Cell(f"zipf 1.2, 4g, c8, s{seed}", 4, 48, 8, shared(12, 12, 1024, 64, 16, zipf_alpha=1.2)),
+            Cell(f"multiturn, 4g, c8, s{seed}", 4, 48, 8, multi_turn(VOCAB, 16, 4, 256, 128, 64, seed=seed)),
+            Cell(f"multiturn, 4g, c16, s{seed}", 4, 48, 16, multi_turn(VOCAB, 32, 4, 512, 128, 64, seed=seed)),
+            Cell(f"hot, 4g, c8, s{seed}", 4, 48, 8, hot_prefix(VOCAB, 64, 1024, 64, 16, seed=seed)),
+            Cell(f"hot 2048 tok, 4g, c16, s{seed}", 4, 96, 16, hot_prefix(VOCAB, 96, 2048, 64, 16, seed=seed)),
+            Cell(f"nosharing, 4g, c8, s{seed}", 4, 48, 8, no_sharing(VOCAB, 64, 1088, 16, seed=seed)),
+        ]
+    return cells
+
+
+def run(cell: Cell, make: Callable[[], Router]) -> Outcome:
+    config = SimEngineConfig(block_size=BLOCK, num_blocks=cell.blocks, max_num_seqs=64)
+    result = SimCluster(make(), cell.groups, config, precise=True).run(cell.sessions, cell.concurrency)
+    ttft = sorted(result.ttft_s)
+    return Outcome(result.hit_rate, percentile(ttft, 50) * 1e3, percentile(ttft, 99) * 1e3, result.throughput_tokens_s)
+
+
+def policies(variants: list[str]) -> dict[str, Callable[[], Router]]:
+    made: dict[str, Callable[[], Router]] = {
+        name: (lambda name=name: Router(make_policy(name), BLOCK))  # type: ignore[misc]
+        for name in ("round_robin", BASELINE, "cache_aware")
+    }
+    for spec in variants:
+        label, _, pairs = spec.partition(":")
+        params = {key: float(value) for key, value in (pair.split("=") for pair in pairs.split(",") if pair)}
+        make_policy("cache_aware", params)  # fail now on a bad parameter
+        made[label] = lambda params=params: Router(make_policy("cache_aware", params), BLOCK)  # type: ignore[misc]
+    return made
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(max(v, 1e-9)) for v in values) / len(values))
+
+
+def render(cells: list[Cell], results: dict[str, list[Outcome]], command: str) -> str:
+    lines = [
+        f"Date: {date.today().isoformat()}. Command: `{command.strip()}`. Simulated engines "
+        f"(`router/sim_engine.py`, {BLOCK}-token blocks, KV events), {len(cells)} cells.",
+        "",
+        f"Summary against `{BASELINE}` over every cell (geometric mean of the ratio; worst cell):",
+        "",
+        "| policy | hit rate | TTFT p50 | TTFT p99 | output tok/s | cells with hit rate ≥ 0.97× | worst hit rate | "
+        "worst TTFT p50 | worst tok/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = results[BASELINE]
+    for name, outcomes in results.items():
+        hit = [o.hit_rate / b.hit_rate if b.hit_rate else 1.0 for o, b in zip(outcomes, base, strict=True)]
+        p50 = [o.ttft_p50_ms / b.ttft_p50_ms for o, b in zip(outcomes, base, strict=True)]
+        p99 = [o.ttft_p99_ms / b.ttft_p99_ms for o, b in zip(outcomes, base, strict=True)]
+        tput = [o.tokens_per_s / b.tokens_per_s for o, b in zip(outcomes, base, strict=True)]
+        lines.append(
+            f"| {name} | {geomean(hit):.3f}× | {geomean(p50):.3f}× | {geomean(p99):.3f}× | {geomean(tput):.3f}× | "
+            f"{sum(h >= 0.97 for h in hit)}/{len(hit)} | {min(hit):.3f}× | {max(p50):.2f}× | {min(tput):.2f}× |"
+        )
+    lines += [
+        "",
+        "<details><summary>Every cell</summary>",
+        "",
+        "| cell | optimal hit rate | " + " | ".join(results) + " |",
+    ]
+    lines.append("|---|---|" + "---|" * len(results))
+    for i, cell in enumerate(cells):
+        row = [f"{o[i].hit_rate:.3f} · {o[i].ttft_p50_ms:.0f} / {o[i].ttft_p99_ms:.0f} ms" for o in results.values()]
+        lines.append(f"| {cell.name} | {optimal_hit_rate(cell.sessions, BLOCK):.3f} | " + " | ".join(row) + " |")
+    lines += ["", "Each cell: hit rate · TTFT p50 / p99.", "", "</details>"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", default="1,2")
+    parser.add_argument("--variant", action="append", default=[], help="LABEL:param=value,… (a cache_aware variant)")
+    parser.add_argument("--no-docs", action="store_true")
+    args = parser.parse_args()
+    cells = grid([int(s) for s in args.seeds.split(",")])
+    made = policies(args.variant)
+    results: dict[str, list[Outcome]] = {name: [] for name in made}
+    for number, cell in enumerate(cells, start=1):
+        print(f"[{number}/{len(cells)}] {cell.name}", flush=True)
+        for name, make in made.items():
+            results[name].append(run(cell, make))
+    report = render(cells, results, "python -m bench.route_grid " + " ".join(sys.argv[1:]))
+    data = {cell.name: {name: asdict(results[name][i]) for name in results} for i, cell in enumerate(cells)}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    publish(SECTION, "Routing policies over a workload grid (simulated engines)", report, data, not args.no_docs)
+
+
+if __name__ == "__main__":
+    main()
