@@ -226,7 +226,9 @@ def metric_sum(text: str, name: str, label: str | None = None) -> dict[str, floa
 
 
 class FlotillaStack:
-    def __init__(self, blocks: int, ingress_replicas: int, port: int, groups: int = 4) -> None:
+    def __init__(
+        self, blocks: int, ingress_replicas: int, port: int, groups: int = 4, max_model_len: int = 4096
+    ) -> None:
         self.url = f"http://127.0.0.1:{port}"
         # Routing counters are each replica's own: with several, read every replica's metrics port
         # (the serving port + 1 onwards, ServeConfig.replica_metrics_port).
@@ -238,7 +240,7 @@ class FlotillaStack:
         config = Path(tempfile.mkdtemp()) / "route-bench.yaml"
         config.write_text(
             f"model: {MODEL}\nserved_model_name: {MODEL_NAME}\ngroups: {groups}\nport: {port}\n"
-            f"engine_args: {{num_gpu_blocks_override: {blocks}, max_model_len: 4096}}\n"
+            f"engine_args: {{num_gpu_blocks_override: {blocks}, max_model_len: {max_model_len}}}\n"
             f"cpu: {{threads_per_worker: 1}}\ningress: {{replicas: {ingress_replicas}}}\n"
         )
         self.process = Process(

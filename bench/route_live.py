@@ -1,0 +1,152 @@
+"""Routing policies switched live on one Flotilla, load from vLLM's `bench serve` `prefix_repetition` dataset.
+
+One `flotilla serve` with 2 groups of ``bench-llama`` whose KV caches (``--blocks`` each) together
+hold a workload's prefixes but neither alone does. For each workload, every policy in turn: switch
+it with ``PUT /admin/routing``, empty every engine's prefix cache, then run vLLM's own benchmark
+client (``vllm.benchmarks.serve``, the code behind ``vllm bench serve``) with the same seed, so
+each policy sees the same prompts in the same order. Hit rate comes from the engines' own
+prefix-cache counters (``vllm:prefix_cache_hits_total`` / ``queries_total`` in ``/metrics``),
+not from the router's belief. ``cache_aware (previous)`` is the policy with the defaults it had
+before the KV-usage filter was turned off and the eviction term added.
+
+    python -m bench.route_live [--blocks 48] [--workloads c4,c8,short]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from datetime import date
+from typing import Any
+
+from bench.common import RESULTS, publish
+from bench.route_bench import MODEL, MODEL_NAME, FlotillaStack
+from devtools import REPO
+
+SECTION = "route_live"
+PORT = 18700
+POLICIES: list[tuple[str, str, dict[str, float]]] = [
+    ("round_robin", "round_robin", {}),
+    ("prefix_only", "prefix_only", {}),
+    ("cache_aware", "cache_aware", {}),
+    ("cache_aware (previous)", "cache_aware", {"kv_saturation": 0.95, "eviction_weight": 0.0}),
+]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prefix_len: int
+    suffix_len: int
+    prefixes: int
+    output_len: int
+    prompts: int
+    concurrency: int
+
+
+WORKLOADS = {
+    "c4": Workload("6 × 1024-token prefixes + 64, 16 out, c4", 1024, 64, 6, 16, 72, 4),
+    "c8": Workload("6 × 1024-token prefixes + 64, 16 out, c8", 1024, 64, 6, 16, 96, 8),
+    "short": Workload("12 × 512-token prefixes + 128, 32 out, c4", 512, 128, 12, 32, 72, 4),
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    workload: str
+    policy: str
+    hit_rate: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    output_tokens_per_s: float
+
+
+def bench_serve(url: str, workload: Workload, seed: int) -> dict[str, Any]:
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    argv = [
+        "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+        "--model", MODEL_NAME, "--tokenizer", str(MODEL), "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", str(workload.prefix_len),
+        "--prefix-repetition-suffix-len", str(workload.suffix_len),
+        "--prefix-repetition-num-prefixes", str(workload.prefixes),
+        "--prefix-repetition-output-len", str(workload.output_len), "--ignore-eos",
+        "--num-prompts", str(workload.prompts), "--max-concurrency", str(workload.concurrency),
+        "--seed", str(seed), "--percentile-metrics", "ttft", "--metric-percentiles", "50,99", "--disable-tqdm",
+    ]  # fmt: skip
+    result: dict[str, Any] = main(parser.parse_args(argv))
+    if result["completed"] != workload.prompts:
+        raise RuntimeError(f"{result['completed']} of {workload.prompts} requests completed")
+    return result
+
+
+def measure(stack: FlotillaStack, workload: Workload, label: str, policy: str, params: dict[str, float]) -> Run:
+    stack.prepare(policy, params)
+    hits_before, queries_before = stack.engine_prefix_cache()
+    result = bench_serve(stack.url, workload, seed=7)
+    hits, queries = stack.engine_prefix_cache()
+    return Run(
+        workload.name,
+        label,
+        (hits - hits_before) / max(1.0, queries - queries_before),
+        result["median_ttft_ms"],
+        result["p99_ttft_ms"],
+        result["output_throughput"],
+    )
+
+
+def render(runs: list[Run], args: argparse.Namespace, command: str) -> str:
+    lines = [
+        f"Date: {date.today().isoformat()}. Command: `{command.strip()}`. One `flotilla serve`, 2 groups of "
+        f"`bench-llama` (float32, CPU, 1 thread each, {args.blocks} KV blocks × 128 tokens each), policies switched "
+        "live with `PUT /admin/routing`, every engine's prefix cache emptied before each; load: vLLM's `bench serve` "
+        "client, `prefix_repetition` dataset, same seed for every policy. Hit rate: the engines' own counters.",
+        "",
+        "| workload | policy | hit rate | TTFT p50 | TTFT p99 | output tok/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r.workload} | {r.policy} | {r.hit_rate:.3f} | {r.ttft_p50_ms:.0f} ms | {r.ttft_p99_ms:.0f} ms | "
+            f"{r.output_tokens_per_s:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--blocks", type=int, default=48, help="KV blocks (128 tokens) per group")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {sorted(WORKLOADS)}")
+    parser.add_argument("--no-docs", action="store_true")
+    args = parser.parse_args()
+    subprocess.run([sys.executable, "-m", "flotilla.cli", "make-model", "bench-llama"], cwd=REPO, check=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    # vLLM wants one request of max_model_len to fit the KV cache: few blocks, shorter limit (prompts < 2048).
+    stack = FlotillaStack(args.blocks, 1, PORT, groups=2, max_model_len=2048)
+    runs = []
+    try:
+        for key in args.workloads.split(","):
+            workload = WORKLOADS[key]
+            bench_serve(stack.url, workload, seed=1)  # warm-up (other prompts): compiled paths, tokenizer
+            for label, policy, params in POLICIES:
+                runs.append(measure(stack, workload, label, policy, params))
+                print(f"  {runs[-1]}", flush=True)
+    finally:
+        stack.stop()
+    report = render(runs, args, "python -m bench.route_live " + " ".join(sys.argv[1:]))
+    publish(
+        SECTION,
+        "Routing policies switched live, load from vLLM's bench serve",
+        report,
+        {"runs": [asdict(r) for r in runs]},
+        not args.no_docs,
+    )
+
+
+if __name__ == "__main__":
+    main()
