@@ -211,6 +211,13 @@ class Flotilla(Target):
         self.spawn(self.name, command, {"PYTHONUNBUFFERED": "1"}, self.url)
 
 
+class FlotillaOneIngress(Flotilla):
+    """The default with one ingress replica instead of two: what the second (high availability) costs."""
+
+    name = "flotilla-1ingress"
+    extra_yaml = "ingress: {replicas: 1}\n"
+
+
 class FlotillaRay(Flotilla):
     name = "flotilla-ray"
     executor = "ray"
@@ -228,10 +235,21 @@ class FlotillaWideEp(Flotilla):
 
 TARGETS = {
     cls.name: cls
-    for cls in (VllmServer, VllmRay, Flotilla, FlotillaRay, VllmPair, FlotillaTwoGroups, VllmEpPair, FlotillaWideEp)
+    for cls in (
+        VllmServer,
+        VllmRay,
+        Flotilla,
+        FlotillaOneIngress,
+        FlotillaRay,
+        VllmPair,
+        FlotillaTwoGroups,
+        VllmEpPair,
+        FlotillaWideEp,
+    )
 }
 PEERS = {
     "flotilla": ("vllm-uni", "vllm-ray"),
+    "flotilla-1ingress": ("vllm-uni", "flotilla"),
     "flotilla-ray": ("vllm-ray",),
     "flotilla-2g": ("vllm-2x",),
     "flotilla-ep": ("flotilla-2g", "vllm-ep2"),
