@@ -179,8 +179,9 @@ class Flotilla:
             timeout=120,
         ).stdout
         group = next(g for g in json.loads(out)["groups"] if g["name"] == name)
-        generation = next(g["generation"] for g in self.groups()["groups"] if g["name"] == name)
-        self._known_events = len(self.groups()["events"])
+        groups = self.groups()
+        generation = next(g["generation"] for g in groups["groups"] if g["name"] == name)
+        self._known_events = len(groups["events"])
         pid = int(group["leader"]["pid"] if fault == "leader" else group["ranks"][0]["worker"]["pid"])
         return Victim(f"{name}#{generation}", pid, signal.SIGSTOP if fault == "hang" else signal.SIGKILL)
 

@@ -48,6 +48,7 @@ from bench.common import (
 )
 from bench.workloads import hot_prefix, multi_turn, no_sharing, shared_prefix
 from devtools import REPO, wait_for
+from flotilla.config import ServeConfig
 from flotilla.router.sim_cluster import Session
 
 MODEL = REPO / "models" / "bench-llama"
@@ -230,18 +231,18 @@ class FlotillaStack:
         self, blocks: int, ingress_replicas: int, port: int, groups: int = 4, max_model_len: int = 4096
     ) -> None:
         self.url = f"http://127.0.0.1:{port}"
-        # Routing counters are each replica's own: with several, read every replica's metrics port
-        # (the serving port + 1 onwards, ServeConfig.replica_metrics_port).
-        self.metrics_urls = (
-            [f"http://127.0.0.1:{port + 1 + rank}/metrics" for rank in range(ingress_replicas)]
-            if ingress_replicas > 1
-            else [f"{self.url}/metrics"]
-        )
         config = Path(tempfile.mkdtemp()) / "route-bench.yaml"
         config.write_text(
             f"model: {MODEL}\nserved_model_name: {MODEL_NAME}\ngroups: {groups}\nport: {port}\n"
             f"engine_args: {{num_gpu_blocks_override: {blocks}, max_model_len: {max_model_len}}}\n"
             f"cpu: {{threads_per_worker: 1}}\ningress: {{replicas: {ingress_replicas}}}\n"
+        )
+        # Routing counters are each replica's own: with several, read every replica's metrics port.
+        metrics_port = ServeConfig.from_yaml(config).replica_metrics_port
+        self.metrics_urls = (
+            [f"http://127.0.0.1:{metrics_port + rank}/metrics" for rank in range(ingress_replicas)]
+            if metrics_port is not None
+            else [f"{self.url}/metrics"]
         )
         self.process = Process(
             f"flotilla-{ingress_replicas}ingress",
