@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from flotilla.cluster.eplb.vllm_policy import POLICY_NAME, POLICY_SWITCH_ENV
 from flotilla.cluster.rank_probe import RANK_PROBE
 
 CPU_ENGINE_ENV = {
@@ -60,6 +61,11 @@ class EngineSpec:
     @property
     def wide_ep(self) -> bool:
         return self.data_parallel_size > 1
+
+    @property
+    def eplb(self) -> bool:
+        """vLLM's expert-parallel load balancer runs in this group's engines (``enable_eplb``)."""
+        return bool(self.engine_args.get("enable_eplb"))
 
 
 def unknown_engine_args(engine_args: dict[str, Any]) -> list[str]:
@@ -116,9 +122,14 @@ def engine_kwargs(spec: EngineSpec, on_cpu: bool, kv_events: dict[str, Any] | No
             "enforce_eager": False,
             "compilation_config": dict(CPU_COMPILATION_CONFIG),
         }
+    user_args = spec.engine_args
+    if on_cpu:
+        from flotilla.cluster.vllm_cpu_eplb import engine_args_for_cpu
+
+        user_args = engine_args_for_cpu(user_args)
     return (
         defaults
-        | spec.engine_args
+        | user_args
         | {
             "model": spec.model,
             "served_model_name": spec.served_model_name,
@@ -153,10 +164,19 @@ def default_worker_threads(node_cpus: float, node_workers: float) -> int:
 
 def worker_env(spec: EngineSpec, on_cpu: bool, node_cpus: float, node_slots: float) -> dict[str, str]:
     """Environment for vLLM's worker actors (set at actor creation, before torch is imported)."""
+    env = eplb_policy_env(spec)
     if not on_cpu:
-        return {}
+        return env
     threads = spec.cpu_threads_per_worker or default_worker_threads(node_cpus, node_slots)
-    return CPU_ENGINE_ENV | {"OMP_NUM_THREADS": str(threads)}
+    return env | CPU_ENGINE_ENV | {"OMP_NUM_THREADS": str(threads)}
+
+
+def eplb_policy_env(spec: EngineSpec) -> dict[str, str]:
+    """With EPLB on, vLLM's rebalancer places experts by Flotilla's policy (``eplb.vllm_policy``), CPU or GPU,
+    unless the environment already names one."""
+    if not spec.eplb or POLICY_SWITCH_ENV in os.environ:
+        return {}
+    return {POLICY_SWITCH_ENV: POLICY_NAME}
 
 
 def run_at_normal_priority() -> bool:
@@ -181,6 +201,7 @@ def run_at_normal_priority() -> bool:
 
 def apply_process_env(spec: EngineSpec, on_cpu: bool, node_cpus: float, node_slots: float) -> None:
     """Environment for the leader process and the EngineCore (and, under ``mp``, worker) processes it spawns."""
+    os.environ.update(eplb_policy_env(spec))
     if not on_cpu:
         return
     os.environ.update(CPU_ENGINE_ENV)

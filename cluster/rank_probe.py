@@ -9,8 +9,11 @@ that way although the engine was serving.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 RANK_PROBE = f"{__name__}.RankProbe"
+LAST_REARRANGE_ATTRIBUTE = "flotilla_last_rearrange_s"
+"""Set on vLLM's ``EplbState`` by the CPU plugin's rearrangement wrapper (``vllm_cpu_eplb``): its duration."""
 
 
 class RankProbe:
@@ -19,3 +22,24 @@ class RankProbe:
         import setproctitle
 
         return os.getpid(), setproctitle.getproctitle()
+
+    def flotilla_eplb_snapshot(self) -> dict[str, Any] | None:
+        """vLLM's EPLB state on this rank (None without EPLB): the expert load this rank recorded over the
+        window, per layer and physical slot, which logical expert each slot holds, and one expert's weight
+        bytes in one layer."""
+        state = getattr(getattr(self, "model_runner", None), "eplb_state", None)
+        if state is None or not state.model_states:
+            return None
+        model_state = next(iter(state.model_states.values()))
+        model = model_state.model
+        first_layer = model.expert_weights[0] if model.expert_weights else []
+        local_slots = max(model.num_local_physical_experts, 1)
+        return {
+            "ranks": model.num_physical_experts // local_slots,
+            "logical_experts": model.num_logical_experts,
+            "window_steps": int(model_state.expert_load_window.shape[0]),
+            "load": model_state.expert_load_window.sum(dim=0).tolist(),
+            "physical_to_logical": model_state.physical_to_logical_map.tolist(),
+            "bytes_per_expert": sum(weights[0].numel() * weights.element_size() for weights in first_layer),
+            "last_rearrange_s": getattr(state, LAST_REARRANGE_ATTRIBUTE, None),
+        }

@@ -6,6 +6,8 @@ importing vLLM's platform classes.
 
 from __future__ import annotations
 
+from typing import Any
+
 from vllm.platforms.cpu import CpuPlatform
 
 
@@ -25,9 +27,21 @@ class CpuRayPlatform(CpuPlatform):
         """vLLM's CPU communicator plus the variable-size collectives of wide-EP (``vllm_cpu_ep``).
 
         Every worker builds its communicators before it loads the model, so this is also where the
-        CPU fused-MoE experts learn to honour ``expert_map``.
+        CPU fused-MoE experts learn to honour ``expert_map`` and vLLM's EPLB gets its CPU pieces
+        (``vllm_cpu_eplb``; inert unless the engine enables EPLB).
         """
         from flotilla.cluster.vllm_cpu_ep import patch_cpu_experts
+        from flotilla.cluster.vllm_cpu_eplb import patch_cpu_eplb
 
         patch_cpu_experts()
+        patch_cpu_eplb()
         return "flotilla.cluster.vllm_cpu_ep.EpCpuCommunicator"
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: Any) -> None:
+        """vLLM's CPU checks, after turning on the EPLB that vLLM's config check refuses on CPU
+        (``vllm_cpu_eplb``: asked for through ``additional_config``)."""
+        from flotilla.cluster.vllm_cpu_eplb import enable_in_config
+
+        enable_in_config(vllm_config)
+        super().check_and_update_config(vllm_config)

@@ -52,3 +52,20 @@ def test_a_dp_rank_of_a_wide_ep_group_is_an_external_lb_rank_with_expert_paralle
     assert kwargs["enable_expert_parallel"] and kwargs["tensor_parallel_size"] == 2
     plain = engine_kwargs(dataclasses.replace(spec, data_parallel_size=1), on_cpu=True)
     assert not any(k.startswith("data_parallel") or k == "enable_expert_parallel" for k in plain)
+
+
+def test_eplb_goes_to_the_cpu_platform_through_additional_config_and_uses_flotillas_policy(monkeypatch) -> None:
+    from flotilla.cluster.engine import EngineSpec, engine_kwargs, worker_env
+    from flotilla.cluster.vllm_cpu_eplb import ADDITIONAL_CONFIG_KEY
+
+    monkeypatch.delenv("FLOTILLA_EPLB_POLICY", raising=False)
+    eplb = {"enable_eplb": True, "eplb_config": {"step_interval": 64}}
+    spec = EngineSpec("m", "m", 1, 1, engine_args=eplb, executor="mp", data_parallel_size=2)
+    on_cpu = engine_kwargs(spec, on_cpu=True)
+    assert "enable_eplb" not in on_cpu and on_cpu["additional_config"] == {ADDITIONAL_CONFIG_KEY: {"step_interval": 64}}
+    on_gpu = engine_kwargs(spec, on_cpu=False)
+    assert on_gpu["enable_eplb"] and on_gpu["eplb_config"] == {"step_interval": 64}
+    assert worker_env(spec, on_cpu=False, node_cpus=8, node_slots=8) == {"FLOTILLA_EPLB_POLICY": "flotilla"}
+    assert "FLOTILLA_EPLB_POLICY" not in worker_env(dataclasses.replace(spec, engine_args={}), True, 8, 8)
+    monkeypatch.setenv("FLOTILLA_EPLB_POLICY", "default")  # an operator's choice stands
+    assert worker_env(spec, on_cpu=False, node_cpus=8, node_slots=8) == {}
