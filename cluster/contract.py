@@ -389,6 +389,11 @@ class EplbStatus:
     rebalance_duration: DurationHistogram
     migrating_layer: int | None
     last_rebalance: RebalanceSummary | None
+    group: str = ""
+    """The EP group: a wide-EP group of vLLM engines, or the CPU EP runtime's."""
+    steps_since_rebalance: int | None = None
+    """vLLM's EPLB: engine steps since the last rearrangement (the window is all the current placement's
+    once this reaches ``window_ticks``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -413,8 +418,8 @@ class Membership:
     """Time a failed group spent out of routing until it was ready again."""
     events: list[GroupEvent] = field(default_factory=list)
     """The latest failures and recoveries, oldest first (bounded)."""
-    eplb: EplbStatus | None = None
-    """The expert-parallel group's balance, when the coordinator runs one."""
+    eplb: list[EplbStatus] = field(default_factory=list)
+    """Every expert-parallel group's balance and rebalances: wide-EP groups with EPLB, the CPU EP runtime."""
     routing: RoutingChoice | None = None
     """The operator's routing policy, set at run time; None: the config's."""
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flotilla.cluster import routing_store
@@ -41,6 +41,7 @@ from flotilla.cluster.contract import (
 )
 from flotilla.cluster.engine import EngineSpec
 from flotilla.cluster.eplb.ep_group import EP_GROUP_NAME, EpGroup, EpGroupConfig, ep_group_actor_options
+from flotilla.cluster.eplb.vllm_group import EngineEplbState, VllmEplbWatch
 from flotilla.cluster.group import ReplicaGroup
 from flotilla.cluster.lifecycle import RecoveryConfig, RestartBudget
 from flotilla.cluster.placement import HEAD_NODE_RESOURCE
@@ -49,6 +50,8 @@ logger = logging.getLogger(__name__)
 MAX_EVENTS = 100
 RECENT_DETAILS = 16  # per group, in membership snapshots: enough for every start step between two progress polls
 WATCH_TIMEOUT_S = 30.0
+EPLB_READ_S = 2.0
+"""How often the EPLB state of wide-EP groups' engines is read (each read is one RPC to every rank)."""
 
 
 class UnknownGroup(KeyError):
@@ -93,7 +96,9 @@ class Coordinator:
     ) -> None:
         self.recovery = recovery
         self.expert_parallel = expert_parallel
-        self.eplb: EplbStatus | None = None
+        self.eplb: dict[str, EplbStatus] = {}
+        """Every EP group's EPLB status by group name."""
+        self._eplb_watches = {name: VllmEplbWatch(name) for name, spec in groups.items() if spec.eplb}
         self.routing: RoutingChoice | None = None
         self.startup_timeout_s = startup_timeout_s
         self.namespace = namespace
@@ -108,6 +113,7 @@ class Coordinator:
         self._changed = asyncio.Condition()
         self._supervisor: asyncio.Task[None] | None = None
         self._eplb_driver: asyncio.Task[None] | None = None
+        self._eplb_reader: asyncio.Task[None] | None = None
         self._restarted = _was_restarted()
         self._retry_on_failure = self._restarted
         """False during the first start: a group that cannot start at all fails ``flotilla serve`` fast."""
@@ -124,6 +130,8 @@ class Coordinator:
         self._supervisor = asyncio.create_task(self._supervise())
         if self.expert_parallel is not None:
             self._eplb_driver = asyncio.create_task(self._drive_eplb(self.expert_parallel))
+        if self._eplb_watches:
+            self._eplb_reader = asyncio.create_task(self._read_vllm_eplb())
         adopted = [False] * len(self.records)
         # An operator's routing choice outlives a coordinator restart, not a new `flotilla serve`.
         if not self._restarted:
@@ -146,7 +154,7 @@ class Coordinator:
         await self._publish()
 
     async def shutdown(self) -> None:
-        for task in (self._supervisor, self._eplb_driver):
+        for task in (self._supervisor, self._eplb_driver, self._eplb_reader):
             if task is not None:
                 task.cancel()
         if self.expert_parallel is not None:
@@ -243,7 +251,8 @@ class Coordinator:
             if group is None:
                 group = ray.remote(EpGroup).options(**ep_group_actor_options(self.namespace)).remote(config)
             try:
-                self.eplb = await group.tick.remote()
+                status = await group.tick.remote()
+                self.eplb[EP_GROUP_NAME] = replace(status, group=EP_GROUP_NAME)
                 await self._publish()
             except RayActorError as err:
                 logger.error("EP group died (%s); creating it again", _first_line(err))
@@ -251,6 +260,29 @@ class Coordinator:
             except Exception as err:
                 logger.error("EPLB tick failed: %s", _first_line(err))
             await asyncio.sleep(config.tick_s)
+
+    async def _read_vllm_eplb(self) -> None:
+        """Every ``EPLB_READ_S``, read the EPLB state of each ready wide-EP group with EPLB from all its ranks
+        (the engines rebalance themselves) and publish it."""
+        while True:
+            for name, watch in self._eplb_watches.items():
+                record = self.records[name]
+                if record.state not in (GroupState.READY, GroupState.DRAINING):
+                    continue
+                generation = record.generation
+                try:
+                    per_leader = await asyncio.wait_for(
+                        asyncio.gather(*(m.leader.eplb_snapshot.remote() for m in record.runtime.members)),
+                        self.recovery.health_timeout_s,
+                    )
+                except Exception as err:  # a failing group is the supervisor's business
+                    logger.debug("EPLB read of %s failed: %s", name, _first_line(err))
+                    continue
+                state = EngineEplbState.combine([snapshot for ranks in per_leader for snapshot in ranks])
+                if state is not None and record.generation == generation:
+                    self.eplb[name] = watch.update(state, generation)
+            await self._publish()
+            await asyncio.sleep(EPLB_READ_S)
 
     # --- supervision ------------------------------------------------------------------------------------
     async def _supervise(self) -> None:
@@ -450,7 +482,7 @@ class Coordinator:
             detection=previous.detection if previous else DurationHistogram(),
             recovery=previous.recovery if previous else DurationHistogram(),
             events=list(self.events),
-            eplb=self.eplb,
+            eplb=list(self.eplb.values()),
             routing=self.routing,
         )
 

@@ -259,6 +259,12 @@ class GroupLeader:
             vllm_instance_id=self.vllm_instance_id if self.phase is EnginePhase.READY else None,
         )
 
+    async def eplb_snapshot(self) -> list[dict[str, Any] | None]:
+        """Every rank's view of vLLM's EPLB state (``RankProbe.flotilla_eplb_snapshot``); empty without EPLB."""
+        if self.engine is None or self.phase is not EnginePhase.READY or not self.spec.eplb:
+            return []
+        return list(await self.engine.collective_rpc(RankProbe.flotilla_eplb_snapshot.__name__))
+
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix (benchmarks start each arm cold); False if requests hold blocks."""
         if self.engine is None:

@@ -38,6 +38,7 @@ class RankProbe:
             "ranks": model.num_physical_experts // local_slots,
             "logical_experts": model.num_logical_experts,
             "window_steps": int(model_state.expert_load_window.shape[0]),
+            "steps_since_rebalance": int(state.expert_rearrangement_step),
             "load": model_state.expert_load_window.sum(dim=0).tolist(),
             "physical_to_logical": model_state.physical_to_logical_map.tolist(),
             "bytes_per_expert": sum(weights[0].numel() * weights.element_size() for weights in first_layer),

@@ -7,6 +7,7 @@ placement-group table (bundle→node) and Ray's state API (actor state, pid, nod
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
@@ -71,8 +72,8 @@ def vllm_worker_actor_name(instance_id: str, rank: int, tp: int, pp: int) -> str
 @dataclass(slots=True)
 class ClusterStatus:
     groups: list[GroupStatus]
-    eplb: EplbStatus | None = None
-    """The expert-parallel group's balance, when the coordinator runs one."""
+    eplb: list[EplbStatus] = field(default_factory=list)
+    """Every expert-parallel group's balance, where EPLB runs."""
 
 
 def collect(namespace: str) -> ClusterStatus:
@@ -111,7 +112,7 @@ def collect(namespace: str) -> ClusterStatus:
             if lifecycle.state.value != "ready" and status.error and status.error.startswith("ValueError"):
                 status.error = None  # no leader while restarting or failed: the detail says why
         statuses.append(status)
-    return ClusterStatus(statuses, membership.eplb if membership else None)
+    return ClusterStatus(statuses, list(membership.eplb) if membership else [])
 
 
 def coordinator_membership(namespace: str) -> Membership | None:
@@ -174,8 +175,8 @@ def render_json(status: ClusterStatus) -> str:
 
 def render_table(status: ClusterStatus) -> str:
     lines = _group_lines(status.groups) if status.groups else ["no replica groups found"]
-    if status.eplb is not None:
-        lines += ["", *_eplb_lines(status.eplb)]
+    for eplb in status.eplb:
+        lines += ["", *_eplb_lines(eplb)]
     return "\n".join(lines)
 
 
@@ -207,10 +208,16 @@ def _group_lines(groups: list[GroupStatus]) -> list[str]:
 def _eplb_lines(eplb: EplbStatus) -> list[str]:
     balance = "-" if eplb.balancedness is None else f"{eplb.balancedness:.3f}"
     state = eplb.state if eplb.migrating_layer is None else f"{eplb.state} (layer {eplb.migrating_layer})"
+    name = f" ({eplb.group})" if eplb.group else ""
     lines = [
-        f"EPLB: {eplb.ranks} EP ranks, {eplb.layers} layers, {eplb.logical_experts} experts in "
+        f"EPLB{name}: {eplb.ranks} EP ranks, {eplb.layers} layers, {eplb.logical_experts} experts in "
         f"{eplb.physical_slots} slots; {state}",
         f"  balancedness {balance} over {eplb.window_ticks} samples"
+        + (
+            ""
+            if eplb.steps_since_rebalance is None
+            else f", {eplb.steps_since_rebalance} steps since the last rebalance"
+        )
         + (f" (worst layer {min(eplb.balancedness_per_layer):.3f})" if eplb.balancedness_per_layer else ""),
         f"  rebalances {eplb.rebalances} (plans skipped: {eplb.skipped_plans}), {eplb.experts_moved_total} experts / "
         f"{eplb.bytes_moved_total / 1e6:.1f} MB moved in all",
@@ -219,7 +226,8 @@ def _eplb_lines(eplb: EplbStatus) -> list[str]:
     if last is not None:
         lines.append(
             f"  last: {last.balancedness_before:.3f} -> {last.balancedness_planned:.3f} planned, "
-            f"{last.experts_moved} experts / {last.bytes_moved / 1e6:.1f} MB in {last.duration_s:.2f} s"
+            f"{last.experts_moved} experts / {last.bytes_moved / 1e6:.1f} MB"
+            + ("" if math.isnan(last.duration_s) else f" in {last.duration_s:.2f} s")
         )
     return lines
 

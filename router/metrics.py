@@ -197,8 +197,7 @@ class MembershipCollector(Collector):
             "How long a failed group stayed out of routing before it was ready again.",
             membership.recovery,
         )
-        if membership.eplb is not None:
-            yield from eplb_metrics(membership.eplb)
+        yield from eplb_metrics(membership.eplb)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

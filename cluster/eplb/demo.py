@@ -89,7 +89,7 @@ def run_demo(
             batch = stream[rng.integers(0, stream.shape[0], tokens_per_step)]
             ray.get(group.forward.remote(batch, np.arange(step * tokens_per_step, (step + 1) * tokens_per_step)))
             step += 1
-            eplb = membership().eplb
+            eplb = next(iter(membership().eplb), None)
             if eplb is not None and ((eplb.state, eplb.rebalances) != reported or step % 20 == 0):
                 say(f"step {step}: {describe(eplb)}")
                 reported = (eplb.state, eplb.rebalances)

@@ -75,7 +75,7 @@ def load_through(server: Server, victim: str | None) -> Iterator[Load]:
 
 
 def cluster_status(server: Server) -> dict[str, Any]:
-    """``flotilla status --json``: {"groups": [...], "eplb": ... or null}."""
+    """``flotilla status --json``: {"groups": [...], "eplb": [...]}."""
     result = subprocess.run(
         [sys.executable, "-m", "flotilla.cli", "status", "--json", "--address", server.ray_address],
         cwd=REPO,

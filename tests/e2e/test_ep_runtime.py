@@ -108,7 +108,7 @@ def test_the_coordinator_drives_eplb_on_its_ep_group(ray_session: None, tiny_mix
         while True:
             out = ray.get(group.forward.remote(batches[step % 3], np.arange(TOKENS) + step * TOKENS))
             np.testing.assert_allclose(out, expected[step % 3], rtol=1e-4, atol=1e-4)
-            eplb = ray.get(coordinator.get_membership.remote()).eplb
+            eplb = next(iter(ray.get(coordinator.get_membership.remote()).eplb), None)
             if eplb is not None:
                 states_seen.add(eplb.state)
                 if eplb.rebalances >= 1:
@@ -138,8 +138,13 @@ def test_the_coordinator_drives_eplb_on_its_ep_group(ray_session: None, tiny_mix
             timeout=120,
             check=True,
         )
-        shown = json.loads(listed.stdout)["eplb"]
-        assert shown["rebalances"] >= 1 and shown["ranks"] == RANKS and shown["experts_moved_total"] > 0
+        (shown,) = json.loads(listed.stdout)["eplb"]
+        assert (
+            shown["group"] == EP_GROUP_NAME
+            and shown["rebalances"] >= 1
+            and shown["ranks"] == RANKS
+            and shown["experts_moved_total"] > 0
+        )
     finally:
         ray.get(coordinator.shutdown.remote())
         ray.kill(coordinator, no_restart=True)

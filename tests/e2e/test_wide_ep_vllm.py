@@ -2,8 +2,10 @@
 DP = 2 vLLM engines × EP = 2 on two simulated nodes (real vLLM, Flotilla's CPU platform plugin).
 
 Greedy answers, with both DP ranks busy at once, equal one vLLM engine's without EP; each DP rank is
-its own routing target; a rank killed under load takes the whole EP group out and brings it back as
-one gang, with 503 + ``Retry-After`` meanwhile (no other group can serve), never a hang or a 500.
+its own routing target; vLLM's EPLB (on CPU through the plugin) rebalances the experts under a skewed
+load, balancedness rises and the answers stay the same; a rank killed under load takes the whole EP
+group out and brings it back as one gang, with 503 + ``Retry-After`` meanwhile (no other group can
+serve), never a hang or a 500.
 
 Without the plugin's two CPU pieces (``flotilla.cluster.vllm_cpu_ep``) the naive all-to-all raises
 ``NotImplementedError`` in ``all_gatherv`` and the experts read past their local weights.
@@ -19,9 +21,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
-from devtools import Load, wait_for
-from tests.e2e.faults import TOKEN, group, rank_pid, routed_to, status, wait_back_in_routing
+from devtools import REPO, Load, wait_for
+from tests.e2e.faults import TOKEN, cluster_status, group, rank_pid, routed_to, status, wait_back_in_routing
 from tests.e2e.server import Server, flotilla_serve, vllm_serve
 
 pytestmark = pytest.mark.e2e
@@ -29,6 +32,11 @@ pytestmark = pytest.mark.e2e
 MODEL = "tiny-mixtral"
 RANKS = ("group-0-dp0", "group-0-dp1")
 PROMPTS = [f"The {word} river and the mountain {i}" for i, word in enumerate(["red", "old", "long", "quiet"] * 2)]
+
+
+EXAMPLE = "examples/wide-ep-cpu.yaml"
+EP_GROUP = "group-0"
+WINDOW = yaml.safe_load((REPO / EXAMPLE).read_text())["engine_args"]["eplb_config"]["window_size"]
 
 
 def greedy(url: str, prompt: str) -> str:
@@ -53,7 +61,7 @@ def reference(tiny_mixtral: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(reference: list[str]) -> Iterator[Server]:  # after the reference: one server at a time on 2 cores
-    with flotilla_serve("examples/wide-ep-cpu.yaml", env={"FLOTILLA_ADMIN_TOKEN": TOKEN}) as running:
+    with flotilla_serve(EXAMPLE, env={"FLOTILLA_ADMIN_TOKEN": TOKEN}) as running:
         yield running
 
 
@@ -66,6 +74,35 @@ def test_a_dp2_ep2_group_answers_like_one_engine_and_routes_to_each_rank(server:
     assert sorted(listed) == list(RANKS) and all(g["state"] == "ready" for g in listed.values())
     nodes = {g["ranks"][0]["node_id"] for g in listed.values()}
     assert len(nodes) == 2, "both DP ranks on one node: the example asks for one per node"
+
+
+def settled_balance(server: Server) -> tuple[int, float] | None:
+    """(rebalances so far, balancedness) once vLLM's load window holds only the current placement's steps,
+    as the coordinator read it from the engines (every ingress exports it)."""
+    text = httpx.get(f"{server.url}/metrics", params={"scope": "cluster"}, timeout=30).text
+    reading = {
+        line.split("{", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("flotilla_eplb_") and f'group="{EP_GROUP}"' in line and "layer=" not in line
+    }
+    steps = reading.get("flotilla_eplb_steps_since_rebalance", 0)
+    if steps < WINDOW or "flotilla_eplb_balancedness_overall" not in reading:
+        return None
+    return int(reading["flotilla_eplb_rebalances_total"]), reading["flotilla_eplb_balancedness_overall"]
+
+
+def test_vllms_eplb_rebalances_the_skewed_ep_group_and_the_answers_stay_the_same(server: Server, reference) -> None:
+    with Load(server.url, MODEL):  # one prompt over and over: a few experts get most tokens
+        initial = wait_for(lambda: settled_balance(server), 300)
+        assert initial, "vLLM's EPLB state never reached the coordinator"
+        assert initial[0] == 0, f"a rebalance before the skewed load: {initial}"
+        rebalanced = wait_for(lambda: (b := settled_balance(server)) is not None and b[0] >= 1 and b, 300)
+        assert rebalanced, "no rebalance under a skewed load"
+    assert rebalanced[1] > initial[1], f"balancedness fell: {initial[1]:.3f} -> {rebalanced[1]:.3f}"
+    assert answers(server.url) == reference, "the rebalanced experts answer differently"
+    (eplb,) = cluster_status(server)["eplb"]  # flotilla status shows it too
+    assert eplb["group"] == EP_GROUP and eplb["rebalances"] >= 1 and eplb["ranks"] == 2
+    assert eplb["experts_moved_total"] > 0 and eplb["bytes_moved_total"] > 0
 
 
 def test_a_killed_rank_restarts_the_whole_ep_group_once(server: Server, reference) -> None:

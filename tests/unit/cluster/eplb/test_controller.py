@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -130,21 +131,24 @@ def test_status_reaches_metrics_and_flotilla_status() -> None:
     assert eplb.last_rebalance.balancedness_planned > eplb.last_rebalance.balancedness_before
     assert len(eplb.balancedness_per_layer) == LAYERS
 
-    # What every ingress replica exports from the coordinator's membership snapshot.
+    # What every ingress replica exports from the coordinator's membership snapshot, labelled by EP group.
+    eplb = replace(eplb, group="ep")
     registry = CollectorRegistry()
-    registry.register(MembershipCollector(lambda: Membership(1, 0.0, [], eplb=eplb)))
+    registry.register(MembershipCollector(lambda: Membership(1, 0.0, [], eplb=[eplb])))
     value = registry.get_sample_value
-    assert value("flotilla_eplb_rebalances_total") == 1
-    assert value("flotilla_eplb_experts_moved_total") == eplb.experts_moved_total
-    assert value("flotilla_eplb_bytes_moved_total") == eplb.experts_moved_total * runtime.expert_bytes
-    assert value("flotilla_eplb_rebalance_duration_seconds_count") == 1
-    assert value("flotilla_eplb_balancedness", {"layer": "0"}) == eplb.balancedness_per_layer[0]
-    assert value("flotilla_eplb_balancedness_overall") == pytest.approx(eplb.balancedness)
-    assert value("flotilla_eplb_migrating") == 0
+    group = {"group": "ep"}
+    assert value("flotilla_eplb_rebalances_total", group) == 1
+    assert value("flotilla_eplb_experts_moved_total", group) == eplb.experts_moved_total
+    assert value("flotilla_eplb_bytes_moved_total", group) == eplb.experts_moved_total * runtime.expert_bytes
+    assert value("flotilla_eplb_rebalance_duration_seconds_count", group) == 1
+    assert value("flotilla_eplb_balancedness", group | {"layer": "0"}) == eplb.balancedness_per_layer[0]
+    assert value("flotilla_eplb_balancedness_overall", group) == pytest.approx(eplb.balancedness)
+    assert value("flotilla_eplb_migrating", group) == 0
 
-    table = render_table(ClusterStatus([], eplb))
-    assert f"EPLB: {RANKS} EP ranks, {LAYERS} layers" in table and "rebalances 1 " in table
-    assert json.loads(render_json(ClusterStatus([], eplb)))["eplb"]["rebalances"] == 1
+    table = render_table(ClusterStatus([], [eplb]))
+    assert f"EPLB (ep): {RANKS} EP ranks, {LAYERS} layers" in table and "rebalances 1 " in table
+    (shown,) = json.loads(render_json(ClusterStatus([], [eplb])))["eplb"]
+    assert shown["rebalances"] == 1 and shown["group"] == "ep"
 
 
 def test_config_rejects_rearm_below_trigger() -> None:

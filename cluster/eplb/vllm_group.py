@@ -1,0 +1,129 @@
+"""vLLM's EPLB on a wide-EP group of vLLM engines, as the coordinator reports it.
+
+The engines rebalance themselves (vLLM's ``EplbState``, with Flotilla's placement as its policy;
+on CPU through the platform plugin, ``vllm_cpu_eplb``). The coordinator reads every rank's EPLB
+state (``RankProbe.flotilla_eplb_snapshot``) every few seconds and turns it into the same
+:class:`EplbStatus` the CPU EP runtime's controller reports: balancedness per layer over vLLM's
+load window, and each rebalance it sees (the slot map changed since the last read) with the
+experts and bytes it moved and, where the engine timed it, how long it took.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from flotilla.cluster.contract import DurationHistogram, EplbStatus, RebalanceSummary
+from flotilla.cluster.eplb.balance import balancedness, balancedness_of_rank_loads, slots_needing_transfer
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEplbState:
+    """The EP group's EPLB state summed over its ranks (each rank records the load it routed)."""
+
+    ranks: int
+    logical_experts: int
+    window_steps: int
+    load: np.ndarray
+    """``[layers, physical slots]`` tokens routed to each slot over the window."""
+    physical_to_logical: np.ndarray
+    bytes_per_expert: int
+    last_rearrange_s: float | None
+    steps_since_rebalance: int
+    """Engine steps since vLLM last rearranged (or started); the window holds only the current placement's
+    load once this reaches ``window_steps``."""
+
+    @classmethod
+    def combine(cls, snapshots: list[dict[str, Any]]) -> EngineEplbState | None:
+        """One state from every rank's snapshot (None when no rank runs EPLB)."""
+        present = [s for s in snapshots if s is not None]
+        if not present:
+            return None
+        first = present[0]
+        durations = [s["last_rearrange_s"] for s in present if s.get("last_rearrange_s") is not None]
+        return cls(
+            ranks=int(first["ranks"]),
+            logical_experts=int(first["logical_experts"]),
+            window_steps=int(first["window_steps"]),
+            load=np.sum([np.asarray(s["load"], dtype=np.float64) for s in present], axis=0),
+            physical_to_logical=np.asarray(first["physical_to_logical"], dtype=np.int64),
+            bytes_per_expert=int(first["bytes_per_expert"]),
+            last_rearrange_s=max(durations) if durations else None,  # the slowest rank ends the rearrangement
+            steps_since_rebalance=min(int(s["steps_since_rebalance"]) for s in present),
+        )
+
+    def rank_loads(self) -> np.ndarray:
+        return self.load.reshape(self.load.shape[0], self.ranks, -1).sum(axis=2)
+
+    def logical_load(self) -> np.ndarray:
+        layers = self.load.shape[0]
+        logical = np.zeros((layers, self.logical_experts))
+        rows = np.repeat(np.arange(layers), self.load.shape[1])
+        held = self.physical_to_logical.reshape(-1) >= 0
+        np.add.at(logical, (rows[held], self.physical_to_logical.reshape(-1)[held]), self.load.reshape(-1)[held])
+        return logical
+
+
+@dataclass
+class VllmEplbWatch:
+    """What the coordinator remembers of one EP group between reads."""
+
+    group: str
+    rebalances: int = 0
+    experts_moved_total: int = 0
+    bytes_moved_total: int = 0
+    durations: DurationHistogram = field(default_factory=DurationHistogram)
+    last_rebalance: RebalanceSummary | None = None
+    _previous: EngineEplbState | None = None
+    _generation: int = -1
+    _previous_balancedness: float | None = None
+
+    def update(self, state: EngineEplbState, generation: int) -> EplbStatus:
+        """The status after reading ``state`` from the group's engines of ``generation`` (a restarted
+        group starts again from vLLM's initial placement: not a rebalance)."""
+        per_layer, overall = balancedness_of_rank_loads(state.rank_loads())
+        has_load = bool(state.load.sum() > 0)
+        previous = self._previous if generation == self._generation else None
+        self._generation = generation
+        if previous is not None and not np.array_equal(previous.physical_to_logical, state.physical_to_logical):
+            moved = int(
+                slots_needing_transfer(previous.physical_to_logical, state.physical_to_logical, state.ranks).sum()
+            )
+            self.rebalances += 1
+            self.experts_moved_total += moved
+            self.bytes_moved_total += moved * state.bytes_per_expert
+            if state.last_rearrange_s is not None:
+                self.durations.observe(state.last_rearrange_s)
+            self.last_rebalance = RebalanceSummary(
+                duration_s=state.last_rearrange_s if state.last_rearrange_s is not None else float("nan"),
+                balancedness_before=self._previous_balancedness or 0.0,
+                balancedness_planned=balancedness(
+                    state.physical_to_logical, previous.logical_load(), state.ranks
+                ),  # the load seen before, under the new placement
+                experts_moved=moved,
+                bytes_moved=moved * state.bytes_per_expert,
+            )
+        self._previous = state
+        if has_load:
+            self._previous_balancedness = overall
+        return EplbStatus(
+            group=self.group,
+            state="idle",
+            ranks=state.ranks,
+            layers=int(state.load.shape[0]),
+            logical_experts=state.logical_experts,
+            physical_slots=int(state.load.shape[1]),
+            window_ticks=state.window_steps,
+            balancedness=round(overall, 4) if has_load else None,
+            balancedness_per_layer=tuple(round(float(b), 4) for b in per_layer) if has_load else (),
+            rebalances=self.rebalances,
+            skipped_plans=0,
+            experts_moved_total=self.experts_moved_total,
+            bytes_moved_total=self.bytes_moved_total,
+            rebalance_duration=self.durations.copy(),
+            migrating_layer=None,
+            last_rebalance=self.last_rebalance,
+            steps_since_rebalance=state.steps_since_rebalance,
+        )
