@@ -12,6 +12,9 @@ Targets, each started fresh and alternated over rounds so machine noise hits all
 * ``flotilla-2g`` — ``flotilla serve`` with 2 groups: routing's cost against plain round robin
 * ``flotilla-ep`` — ``flotilla serve`` with 1 wide-EP group of 2 DP ranks (``data_parallel_size: 2``,
   a MoE ``--model``): against ``flotilla-2g`` (the same two engines without EP) and
+* ``flotilla-ep-eplb`` — ``flotilla-ep`` with vLLM's EPLB on (as ``examples/wide-ep-cpu.yaml``): what
+  rebalancing costs and moves (rearrangements, their duration, experts and bytes that crossed ranks, read
+  from the coordinator's ``flotilla_eplb_*`` after each run)
 * ``vllm-ep2``    — vLLM's own wide EP: two servers with ``--data-parallel-rank 0|1`` and
   ``--enable-expert-parallel`` behind HAProxy round robin
 
@@ -44,6 +47,9 @@ from devtools import REPO
 from flotilla.cluster.ports import free_ports
 
 SECTION = "serve_overhead"
+EPLB_ENGINE_ARGS = (  # examples/wide-ep-cpu.yaml's
+    "engine_args: {enable_eplb: true, eplb_config: {window_size: 32, step_interval: 128, num_redundant_experts: 2}}\n"
+)
 MODEL_NAME = "bench-model"
 KV_CACHE_BYTES = 512 << 20
 # Not bench.common.ENGINE_ENV: vLLM's own server must keep its own thread default (no OMP_NUM_THREADS).
@@ -99,6 +105,10 @@ class Target:
         process = Process(f"{SECTION}-{label}", command, env, self.log_dir)
         self.processes.append(process)
         wait_ready(url, process)
+
+    def observe(self) -> dict[str, Any]:
+        """Figures of the server itself, read after the load (none by default)."""
+        return {}
 
     def stop(self) -> None:
         for process in reversed(self.processes):
@@ -233,6 +243,30 @@ class FlotillaWideEp(Flotilla):
     extra_yaml = "data_parallel_size: 2\n"
 
 
+class FlotillaWideEpEplb(Flotilla):
+    name = "flotilla-ep-eplb"
+    extra_yaml = "data_parallel_size: 2\n" + EPLB_ENGINE_ARGS
+
+    def observe(self) -> dict[str, Any]:
+        """The coordinator's reading of vLLM's EPLB on the group (``flotilla_eplb_*``, cluster scope)."""
+        import httpx
+
+        text = httpx.get(f"{self.url}/metrics", params={"scope": "cluster"}, timeout=30).text
+        series = {
+            line.split("{", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("flotilla_eplb_") and "layer=" not in line and "_bucket" not in line
+        }
+        return {
+            "rebalances": series.get("flotilla_eplb_rebalances_total", 0.0),
+            "rearrange_s_total": series.get("flotilla_eplb_rebalance_duration_seconds_sum", 0.0),
+            "rearrange_timed": series.get("flotilla_eplb_rebalance_duration_seconds_count", 0.0),
+            "experts_moved": series.get("flotilla_eplb_experts_moved_total", 0.0),
+            "bytes_moved": series.get("flotilla_eplb_bytes_moved_total", 0.0),
+            "balancedness": series.get("flotilla_eplb_balancedness_overall"),
+        }
+
+
 TARGETS = {
     cls.name: cls
     for cls in (
@@ -245,6 +279,7 @@ TARGETS = {
         FlotillaTwoGroups,
         VllmEpPair,
         FlotillaWideEp,
+        FlotillaWideEpEplb,
     )
 }
 PEERS = {
@@ -253,6 +288,7 @@ PEERS = {
     "flotilla-ray": ("vllm-ray",),
     "flotilla-2g": ("vllm-2x",),
     "flotilla-ep": ("flotilla-2g", "vllm-ep2"),
+    "flotilla-ep-eplb": ("flotilla-ep",),
 }
 
 
@@ -280,12 +316,13 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     startup_s = target.start()
     try:
         bench_serve(target.url, args.model, args, 4, 1)  # warm-up
-        return {
+        run = {
             "target": target.name,
             "startup_s": startup_s,
             "c1": bench_serve(target.url, args.model, args, args.prompts_c1, 1),
             "cN": bench_serve(target.url, args.model, args, args.prompts_cn, args.concurrency),
         }
+        return run | {"server": target.observe()}
     finally:
         target.stop()
 
@@ -312,7 +349,11 @@ def summarize(runs: list[dict[str, Any]], targets: list[str]) -> dict[str, dict[
 
 
 def markdown(
-    rows: dict[str, dict[str, float]], args: argparse.Namespace, settings: EngineSettings, command: str
+    rows: dict[str, dict[str, float]],
+    runs: list[dict[str, Any]],
+    args: argparse.Namespace,
+    settings: EngineSettings,
+    command: str,
 ) -> str:
     n = args.concurrency
     engine = (
@@ -349,7 +390,27 @@ def markdown(
                     f"{a['cN_p99_itl_ms'] / b['cN_p99_itl_ms']:.2f}× (c{n}); TTFT p50 at concurrency 1 "
                     f"{a['c1_median_ttft_ms'] - b['c1_median_ttft_ms']:+.1f} ms."
                 )
+    lines += eplb_lines(runs)
     return "\n".join(lines)
+
+
+def eplb_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """What vLLM's EPLB did in each run of an EPLB target (both load phases and the warm-up)."""
+    lines = []
+    for run in runs:
+        eplb = run.get("server") or {}
+        if "rebalances" not in eplb:
+            continue
+        rebalances, timed = int(eplb["rebalances"]), int(eplb["rearrange_timed"])
+        per = max(rebalances, 1)
+        balance = "-" if eplb["balancedness"] is None else f"{eplb['balancedness']:.3f}"
+        took = f"{eplb['rearrange_s_total'] / timed:.3f} s each" if timed else "duration not reported"
+        lines.append(
+            f"- {run['target']} EPLB in one run: {rebalances} rearrangements ({took}), "
+            f"{eplb['experts_moved'] / per:.1f} experts / {eplb['bytes_moved'] / per / 1e6:.2f} MB across ranks "
+            f"per rearrangement, balancedness {balance} over the last window."
+        )
+    return lines
 
 
 def main() -> None:
@@ -383,7 +444,7 @@ def main() -> None:
             runs.append(measure(TARGETS[name](args.model, RESULTS, settings), args))
             print(f"  {json.dumps({k: runs[-1][k] for k in ('c1', 'cN')})}", flush=True)
     rows = summarize(runs, targets)
-    report = markdown(rows, args, settings, ("python -m bench.serve_overhead " + " ".join(sys.argv[1:])).strip())
+    report = markdown(rows, runs, args, settings, ("python -m bench.serve_overhead " + " ".join(sys.argv[1:])).strip())
     section = args.section if settings.device == "cpu" else f"{args.section}_gpu"
     (RESULTS / f"{section}.json").write_text(
         json.dumps({"args": vars(args) | {"model": str(args.model)}, "runs": runs, "summary": rows}, indent=2)
