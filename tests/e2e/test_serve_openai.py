@@ -235,7 +235,7 @@ def test_client_disconnect_aborts_the_engine_request(server: Server, ray_driver)
 
 def test_status_shows_every_group_rank_bundle_and_node(server: Server) -> None:
     listed = cluster_status(server)
-    assert listed["eplb"] is None  # no expert-parallel group in this deployment
+    assert listed["eplb"] == []  # no expert-parallel group in this deployment
     groups = listed["groups"]
     assert [g["name"] for g in groups] == list(GROUPS)
     for group in groups:
