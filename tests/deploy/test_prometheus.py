@@ -151,7 +151,8 @@ def server_config(tmp_path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def server(models_dir, tmp_path_factory) -> Iterator[Server]:
-    with flotilla_serve(server_config(tmp_path_factory.mktemp("config"))) as running:
+    # The product's default of several ingress replicas: each is scraped on its own port, as by the chart.
+    with flotilla_serve(server_config(tmp_path_factory.mktemp("config")), ingress_replicas=None) as running:
         yield running
 
 

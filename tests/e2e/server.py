@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import yaml
 
 from devtools import REPO, stop_gracefully, wait_serving
 from flotilla.cluster.ports import free_port, free_port_run
@@ -59,9 +61,16 @@ def flotilla_serve(
     env: dict[str, str] | None = None,
     port: int | None = None,
     metrics_port: int | None = None,
+    ingress_replicas: int | None = 1,
 ) -> Iterator[Server]:
     """``metrics_port``: the replicas' own metrics ports start there (default: a free run of ports, so a
-    server started while another one runs never meets its ports)."""
+    server started while another one runs never meets its ports).
+
+    ``ingress_replicas``: how many ingress replicas where the config names no count; ``None`` keeps the
+    product's default (2). One by default here: each replica costs about 15 s of CPU at every start on
+    this 2-core machine; the modules about replicas and the default config (``test_ingress_replicas``,
+    ``test_serve_openai``, ``test_prometheus``) run them as users do."""
+    config = with_ingress_replicas(config, ingress_replicas)
     port = port or free_port()
     metrics_port = metrics_port or free_port_run(REPLICA_METRICS_PORTS)
     command = ["serve", "--config", config, "--port", str(port), "--metrics-port", str(metrics_port)]
@@ -96,6 +105,18 @@ def flotilla_serve(
         yield Server(f"http://127.0.0.1:{port}", address, process, lines)
     finally:
         stop_gracefully(process, SHUTDOWN_TIMEOUT_S)
+
+
+def with_ingress_replicas(config: str, replicas: int | None) -> str:
+    """``config``, or a copy that runs ``replicas`` ingress replicas when it names no count itself."""
+    raw = yaml.safe_load((REPO / config).read_text()) or {}
+    ingress = raw.get("ingress") or {}
+    if replicas is None or "replicas" in ingress:
+        return config
+    raw["ingress"] = ingress | {"replicas": replicas}
+    copy = Path(tempfile.mkdtemp(prefix="flotilla-config-")) / Path(config).name
+    copy.write_text(yaml.safe_dump(raw))
+    return str(copy)
 
 
 # vLLM's own server with the engine settings Flotilla gives its CPU groups (cluster/engine.py).

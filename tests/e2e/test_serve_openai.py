@@ -25,7 +25,7 @@ GROUPS = ("group-0", "group-1")
 
 @pytest.fixture(scope="module")
 def server(smollm2) -> Server:
-    with flotilla_serve() as running:
+    with flotilla_serve(ingress_replicas=None) as running:  # make serve's config, every default
         yield running
 
 
