@@ -129,6 +129,7 @@ class RoutedEngineClient(EngineClient):
     ) -> AsyncGenerator[RequestOutput, None]:
         delta = request.sampling_params.output_kind is RequestOutputKind.DELTA
         failed: set[str] = set()
+        tries = 0
         last_failure: str | None = None
         while True:
             try:
@@ -159,9 +160,10 @@ class RoutedEngineClient(EngineClient):
                 if kind is EngineErrorKind.BAD_REQUEST:
                     raise VLLMValidationError(message) from None
                 self.directory.report_failure(member, message)
-                failed.add(member.name)
+                failed |= self.directory.gang_of(member)  # its EP group's other ranks are stalled with it
+                tries += 1
                 last_failure = message
-                if delivered or len(failed) >= self.max_attempts:
+                if delivered or tries >= self.max_attempts:
                     raise RetryableRequestError(message) from None
                 self.stats.requests_retried.labels(kind.value).inc()
                 logger.warning("request %s: %s; retrying on another group", request_id, message)

@@ -47,6 +47,8 @@ class Member:
     channel: GroupChannel
     info: EngineInfo
     instance_id: str | None
+    gang: str
+    """The group it is restarted with: itself, or the wide-EP group whose DP rank it is."""
     routable: bool = True
     feed: KvEventFeed | None = None
     events_due_by: float | None = None
@@ -112,7 +114,12 @@ class GroupDirectory:
         if previous is not None:
             self._retire(previous)
         member = Member(
-            snapshot.name, snapshot.leader, GroupChannel(snapshot.leader, self.host), info, snapshot.instance_id
+            snapshot.name,
+            snapshot.leader,
+            GroupChannel(snapshot.leader, self.host),
+            info,
+            snapshot.instance_id,
+            gang=snapshot.gang or snapshot.name,
         )
         self.members[member.name] = member
         self.router.remove_group(member.name)  # a new engine caches nothing: start from an empty index
@@ -125,6 +132,10 @@ class GroupDirectory:
             member.feed.stop()
             member.feed = None
         member.channel.close()
+
+    def gang_of(self, member: Member) -> set[str]:
+        """Every member restarted with ``member``: a DP rank that fails stalls its whole EP group."""
+        return {other.name for other in self.members.values() if other.gang == member.gang} | {member.name}
 
     def report_failure(self, member: Member, error: str) -> None:
         """Ask the coordinator to check the group now (fire and forget)."""

@@ -63,10 +63,10 @@ def in_flight_on(server: Server, name: str) -> float:
 
 
 @contextmanager
-def load_through(server: Server, victim: str | None) -> Iterator[Load]:
+def load_through(server: Server, victim: str | None, model: str = "tiny-llama") -> Iterator[Load]:
     """The load of a fault test. Yields once a request is in flight on ``victim`` (the fault must hit one);
     on exit, after the load stopped, every request it sent has come back and none failed."""
-    with Load(server.url, "tiny-llama") as load:
+    with Load(server.url, model) as load:
         if victim is not None:
             assert wait_for(lambda: in_flight_on(server, victim) >= 1, 60, interval_s=0.05), f"nothing on {victim}"
         yield load

@@ -156,6 +156,7 @@ class FakeMember:
     name: str
     channel: ScriptedChannel
     leader: Any = None
+    gang: str = ""
 
 
 class FakeDirectory:
@@ -186,6 +187,9 @@ class FakeDirectory:
     def report_failure(self, member: FakeMember, message: str) -> None:
         self.reported.append(member.name)
 
+    def gang_of(self, member: FakeMember) -> set[str]:
+        return {m.name for m in self.members.values() if member.gang and m.gang == member.gang} | {member.name}
+
 
 def output(tokens: list[int], finished: bool) -> WireOutput:
     sent = RequestOutput("r", None, [1, 2, 3], None, [CompletionOutput(0, "t", tokens, None, None)], finished)
@@ -206,9 +210,11 @@ def frontend(tiny_llama: Path):
     return config, renderer_from_config(config)
 
 
-def client_over(frontend, channels: dict[str, ScriptedChannel], max_attempts: int = 3) -> RoutedEngineClient:
+def client_over(
+    frontend, channels: dict[str, ScriptedChannel], max_attempts: int = 3, gangs: dict[str, str] | None = None
+) -> RoutedEngineClient:
     config, renderer = frontend
-    members = {name: FakeMember(name, channel) for name, channel in channels.items()}
+    members = {name: FakeMember(name, channel, gang=(gangs or {}).get(name, "")) for name, channel in channels.items()}
     return RoutedEngineClient(config, renderer, FakeDirectory(members), IngressMetrics(), max_attempts)  # type: ignore[arg-type]
 
 
@@ -233,6 +239,21 @@ async def test_a_group_failing_before_any_output_is_retried_on_another(frontend)
     assert client.stats.requests_retried.labels("engine_dead")._value.get() == 1
     assert client.directory.finished_decisions == [("g0", []), ("g1", [8, 9])]  # type: ignore[attr-defined]
     assert client.directory.router.view("g1").in_flight == 0
+
+
+async def test_a_failed_dp_rank_takes_its_ep_group_out_of_the_retry(frontend) -> None:
+    """A DP rank that dies stalls every rank of its EP group: the retry goes to another group at once."""
+    dead = GroupEngineError(EngineErrorKind.ENGINE_DEAD, "rank died")
+    channels = {
+        "ep0-dp0": ScriptedChannel(error=dead),
+        "ep0-dp1": ScriptedChannel(error=dead),
+        "ep1-dp0": ScriptedChannel([output([8], True)]),
+    }
+    gangs = {"ep0-dp0": "ep0", "ep0-dp1": "ep0", "ep1-dp0": "ep1"}
+    client = client_over(frontend, channels, max_attempts=2, gangs=gangs)
+    outputs = await collect(client.generate(PROMPT, stream_params(), "r"))  # round robin: ep0-dp0 first
+    assert [o.outputs[0].token_ids for o in outputs] == [[8]]
+    assert channels["ep0-dp1"].calls == 0 and client.directory.reported == ["ep0-dp0"]  # type: ignore[attr-defined]
 
 
 async def test_a_failure_after_output_reached_the_caller_is_not_retried(frontend) -> None:
