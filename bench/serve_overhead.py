@@ -282,6 +282,7 @@ TARGETS = {
         FlotillaWideEpEplb,
     )
 }
+WIDE_EP_TARGETS = ("vllm-ep2", "flotilla-ep", "flotilla-ep-eplb")
 PEERS = {
     "flotilla": ("vllm-uni", "vllm-ray"),
     "flotilla-1ingress": ("vllm-uni", "flotilla"),
@@ -416,7 +417,11 @@ def eplb_lines(runs: list[dict[str, Any]]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=REPO / "models" / "tiny-llama")
-    parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument(
+        "--targets",
+        default=",".join(name for name in TARGETS if name not in WIDE_EP_TARGETS),
+        help=f"comma-separated; the wide-EP ones ({', '.join(WIDE_EP_TARGETS)}) need a MoE --model",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=64)
