@@ -21,6 +21,21 @@ def replica_counts(physical_to_logical: np.ndarray, num_logical: int) -> np.ndar
     return counts
 
 
+def logical_loads(physical_to_logical: np.ndarray, slot_load: np.ndarray, num_logical: int) -> np.ndarray:
+    """``[layers, num_logical]``: the load each logical expert received, summed over the slots holding it."""
+    layers = physical_to_logical.shape[0]
+    logical = np.zeros((layers, num_logical))
+    rows = np.repeat(np.arange(layers), physical_to_logical.shape[1])
+    held = physical_to_logical.reshape(-1) >= 0
+    np.add.at(logical, (rows[held], physical_to_logical.reshape(-1)[held]), slot_load.reshape(-1)[held])
+    return logical
+
+
+def slot_rank_loads(slot_load: np.ndarray, num_ranks: int) -> np.ndarray:
+    """``[layers, num_ranks]``: the load each rank received, from ``[layers, num_physical]`` per-slot load."""
+    return slot_load.reshape(slot_load.shape[0], num_ranks, -1).sum(axis=2)
+
+
 def rank_loads(physical_to_logical: np.ndarray, logical_load: np.ndarray, num_ranks: int) -> np.ndarray:
     """``[layers, num_ranks]``: load per rank when replicas split their expert's load evenly."""
     counts = replica_counts(physical_to_logical, logical_load.shape[1])

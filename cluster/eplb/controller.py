@@ -27,7 +27,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flotilla.cluster.contract import DurationHistogram, EplbStatus, RebalanceSummary
-from flotilla.cluster.eplb.balance import balancedness_of_rank_loads, rank_loads
+from flotilla.cluster.eplb.balance import balancedness_of_rank_loads, logical_loads, rank_loads, slot_rank_loads
 from flotilla.cluster.eplb.expert_placement import plan_placement
 from flotilla.cluster.eplb.transfers import LayerMigration
 
@@ -216,10 +216,8 @@ class EplbController:
     def _record_load(self) -> None:
         slot_load = self.runtime.drain_expert_load().astype(np.float64)
         placement = self.runtime.physical_to_logical()
-        logical = np.zeros((placement.shape[0], self.runtime.num_logical))
-        np.add.at(logical, (np.arange(placement.shape[0])[:, None], placement), slot_load)
-        by_rank = slot_load.reshape(placement.shape[0], self.runtime.num_ranks, -1).sum(axis=2)
-        self.window.add(logical, by_rank)
+        logical = logical_loads(placement, slot_load, self.runtime.num_logical)
+        self.window.add(logical, slot_rank_loads(slot_load, self.runtime.num_ranks))
         per_layer, overall = balancedness_of_rank_loads(np.sum(self.window.ranks, axis=0))
         self.balancedness_per_layer, self.balancedness_overall = per_layer, overall
         if overall >= self.config.rearm_balancedness:

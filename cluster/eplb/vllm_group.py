@@ -16,7 +16,13 @@ from typing import Any
 import numpy as np
 
 from flotilla.cluster.contract import DurationHistogram, EplbStatus, RebalanceSummary
-from flotilla.cluster.eplb.balance import balancedness, balancedness_of_rank_loads, slots_needing_transfer
+from flotilla.cluster.eplb.balance import (
+    balancedness,
+    balancedness_of_rank_loads,
+    logical_loads,
+    slot_rank_loads,
+    slots_needing_transfer,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,15 +61,10 @@ class EngineEplbState:
         )
 
     def rank_loads(self) -> np.ndarray:
-        return self.load.reshape(self.load.shape[0], self.ranks, -1).sum(axis=2)
+        return slot_rank_loads(self.load, self.ranks)
 
     def logical_load(self) -> np.ndarray:
-        layers = self.load.shape[0]
-        logical = np.zeros((layers, self.logical_experts))
-        rows = np.repeat(np.arange(layers), self.load.shape[1])
-        held = self.physical_to_logical.reshape(-1) >= 0
-        np.add.at(logical, (rows[held], self.physical_to_logical.reshape(-1)[held]), self.load.reshape(-1)[held])
-        return logical
+        return logical_loads(self.physical_to_logical, self.load, self.logical_experts)
 
 
 @dataclass
