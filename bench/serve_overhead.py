@@ -42,13 +42,16 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from bench.common import RESULTS, Process, wait_ready, write_docs_section
 from devtools import REPO
 from flotilla.cluster.ports import free_ports
 
 SECTION = "serve_overhead"
-EPLB_ENGINE_ARGS = (  # examples/wide-ep-cpu.yaml's
-    "engine_args: {enable_eplb: true, eplb_config: {window_size: 32, step_interval: 128, num_redundant_experts: 2}}\n"
+# examples/wide-ep-cpu.yaml's EPLB settings, so the benchmark measures what the example runs.
+EPLB_ENGINE_ARGS = yaml.safe_dump(
+    {"engine_args": yaml.safe_load((REPO / "examples" / "wide-ep-cpu.yaml").read_text())["engine_args"]}
 )
 MODEL_NAME = "bench-model"
 KV_CACHE_BYTES = 512 << 20
