@@ -28,13 +28,16 @@ class CpuRayPlatform(CpuPlatform):
 
         Every worker builds its communicators before it loads the model, so this is also where the
         CPU fused-MoE experts learn to honour ``expert_map`` and vLLM's EPLB gets its CPU pieces
-        (``vllm_cpu_eplb``; inert unless the engine enables EPLB).
+        (``vllm_cpu_eplb``; inert unless the engine enables EPLB), and the shared-memory collectives of
+        TP and PP stop leaking segments when a rank is killed (``vllm_cpu_shm``).
         """
         from flotilla.cluster.vllm_cpu_ep import patch_cpu_experts
         from flotilla.cluster.vllm_cpu_eplb import patch_cpu_eplb
+        from flotilla.cluster.vllm_cpu_shm import patch_cpu_shm
 
         patch_cpu_experts()
         patch_cpu_eplb()
+        patch_cpu_shm()
         return "flotilla.cluster.vllm_cpu_ep.EpCpuCommunicator"
 
     @classmethod

@@ -25,6 +25,7 @@ import ray
 from devtools import wait_for
 from flotilla.cluster.contract import COORDINATOR_NAME, DEFAULT_NAMESPACE
 from flotilla.cluster.ray_connect import connect
+from flotilla.cluster.vllm_cpu_shm import SHM_DIR
 from tests.e2e.faults import (
     TOKEN,
     admin,
@@ -72,8 +73,14 @@ def long_streams(server: Server, count: int) -> tuple[list[threading.Thread], li
     return threads, bodies
 
 
+def shared_memory_segments() -> set[str]:
+    """The TP/PP shared-memory segments on this machine (vLLM's CPU communicator names them ``…-cpushm_<rank>``)."""
+    return {path.name for path in SHM_DIR.glob("*-cpushm_*")}
+
+
 def test_killed_tp_worker_restarts_its_group_and_loses_no_request(server: Server) -> None:
     before = group(server, "group-0")
+    segments_before = shared_memory_segments()
     admin(server, "POST", "/groups/group-1/drain")  # the streams must be on the victim, whatever routing prefers
     try:
         streams, bodies = long_streams(server, 4)
@@ -95,6 +102,9 @@ def test_killed_tp_worker_restarts_its_group_and_loses_no_request(server: Server
     for body in broken:  # vLLM's stream error event: the group's failure, as a retryable 503
         (error,) = [json.loads(e[6:])["error"] for e in body.splitlines() if e.startswith("data: {") and '"error"' in e]
         assert error["code"] == 503 and "group-0 could not serve the request" in error["message"]
+    # Neither the killed group nor its replacement holds a named segment: a later group that gets the same
+    # torch-distributed port (the names' first part) must not find one (it failed to start with EEXIST).
+    assert shared_memory_segments() - segments_before == set()
 
 
 def test_killed_leader_restarts_its_group(server: Server) -> None:
