@@ -61,6 +61,13 @@ class CpuEngineDefaults(_Strict):
         ge=1,
         description="OpenMP threads per worker; default: the node's cores less one per worker, divided among them.",
     )
+    bind_cores: bool = Field(
+        True,
+        description=(
+            "Pin each worker's threads to cores that no other group on the machine holds, as vLLM's CPU executor "
+            "pins its own (groups on one node, executor mp); false: let the OS place them."
+        ),
+    )
 
 
 class PlanConfig(_Strict):

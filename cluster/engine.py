@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from flotilla.cluster.cpu_binding import UNPINNED, CoreClaim, claim_cores
 from flotilla.cluster.eplb.vllm_policy import POLICY_NAME, POLICY_SWITCH_ENV
 from flotilla.cluster.rank_probe import RANK_PROBE
 
@@ -39,6 +40,8 @@ class EngineSpec:
     engine_args: dict[str, Any] = field(default_factory=dict)
     cpu_kv_cache_memory_bytes: int = 512 << 20
     cpu_threads_per_worker: int | None = None
+    cpu_bind_cores: bool = True
+    """Pin each worker's threads to cores no other group on the machine holds (``cpu_binding``; mp executor)."""
     kv_events: bool = True
     """Publish vLLM's KV-cache events (ZMQ) so routers can track this engine's cache exactly."""
     executor: Executor = "ray"
@@ -199,13 +202,21 @@ def run_at_normal_priority() -> bool:
     return True
 
 
-def apply_process_env(spec: EngineSpec, on_cpu: bool, node_cpus: float, node_slots: float) -> None:
-    """Environment for the leader process and the EngineCore (and, under ``mp``, worker) processes it spawns."""
+def apply_process_env(spec: EngineSpec, on_cpu: bool, node_cpus: float, node_slots: float) -> CoreClaim | None:
+    """Environment for the leader process and the EngineCore (and, under ``mp``, worker) processes it spawns.
+
+    Returns the cores claimed for the workers (``cpu_binding``), to be held while the engine runs."""
     os.environ.update(eplb_policy_env(spec))
     if not on_cpu:
-        return
+        return None
     os.environ.update(CPU_ENGINE_ENV)
-    if spec.executor == "mp":
-        # vLLM's own CPU binding would pin every group's workers to the same cores (it sees only its
-        # own ranks); Flotilla's thread count, unbound, as for Ray workers.
-        os.environ.update(worker_env(spec, on_cpu, node_cpus, node_slots) | {"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    if spec.executor != "mp":
+        return None
+    env = worker_env(spec, on_cpu, node_cpus, node_slots)
+    # vLLM's own binding (``auto``) sees only this engine's ranks and would pin every group to the same
+    # cores: Flotilla claims distinct ones. Wide-EP engines (vLLM slices the lists by DP rank) run unpinned.
+    claim = None
+    if spec.cpu_bind_cores and spec.data_parallel_size == 1:
+        claim = claim_cores(spec.world_size, int(env["OMP_NUM_THREADS"]))
+    os.environ.update(env | {"VLLM_CPU_OMP_THREADS_BIND": claim.omp_threads_bind() if claim else UNPINNED})
+    return claim

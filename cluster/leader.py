@@ -25,6 +25,7 @@ from flotilla.cluster.contract import (
     RankProcess,
     to_wire,
 )
+from flotilla.cluster.cpu_binding import CoreClaim
 from flotilla.cluster.engine import (
     EngineSpec,
     apply_process_env,
@@ -58,6 +59,7 @@ class GroupLeader:
         self._channels: dict[str, OutputChannel] = {}
         self._scheduler_stats = SchedulerStatsRecorder()
         self._ranks: list[tuple[str, Any]] = []
+        self._core_claim: CoreClaim | None = None
 
     def describe(self) -> LeaderDescription:
         return LeaderDescription(
@@ -122,7 +124,7 @@ class GroupLeader:
         on_cpu = running_on_flotilla_cpu()
         node_resources = _node_resources(ray.get_runtime_context().get_node_id())
         node_cpus, node_slots = node_resources.get("CPU", 1), node_resources.get("GPU", 1)
-        apply_process_env(self.spec, on_cpu, node_cpus, node_slots)
+        self._core_claim = apply_process_env(self.spec, on_cpu, node_cpus, node_slots)  # held for the engine's life
         on_ray = self.spec.executor == "ray"
         if on_ray:
             # The spawned EngineCore must join this cluster, not start its own.
@@ -284,6 +286,8 @@ class GroupLeader:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self._core_claim is not None:
+            self._core_claim.release()
         self.phase = EnginePhase.STOPPED
 
 
