@@ -75,9 +75,10 @@ class EngineSettings:
             flags = ["--dtype", "bfloat16"]
         return [*flags, "--enable-prefix-caching"] + (["--load-format", "dummy"] if self.dummy_weights else [])
 
-    def flotilla_yaml(self) -> str:
+    def flotilla_yaml(self, cpu_extra: str = "") -> str:
+        """``cpu_extra``: more keys of the ``cpu:`` map (``, key: value``); CPU only."""
         if self.device == "cpu":
-            return f"cpu: {{kv_cache_memory_bytes: {KV_CACHE_BYTES}}}\n"
+            return f"cpu: {{kv_cache_memory_bytes: {KV_CACHE_BYTES}{cpu_extra}}}\n"
         dummy = ", load_format: dummy" if self.dummy_weights else ""
         return f"engine_args: {{dtype: bfloat16{dummy}}}\n"
 
@@ -213,12 +214,15 @@ class Flotilla(Target):
     groups = 1
     executor = "auto"
     extra_yaml = ""
+    cpu_extra = ""
 
     def _start(self) -> None:
         config = Path(tempfile.mkdtemp()) / "bench.yaml"
         config.write_text(
             f"model: {self.model_dir}\nserved_model_name: {MODEL_NAME}\ngroups: {self.groups}\n"
-            f"executor: {self.executor}\nport: {self.port}\n" + self.settings.flotilla_yaml() + self.extra_yaml
+            f"executor: {self.executor}\nport: {self.port}\n"
+            + self.settings.flotilla_yaml(self.cpu_extra)
+            + self.extra_yaml
         )
         command = [sys.executable, "-m", "flotilla.cli", "serve", "--config", str(config)]
         self.spawn(self.name, command, {"PYTHONUNBUFFERED": "1"}, self.url)
@@ -231,6 +235,13 @@ class FlotillaOneIngress(Flotilla):
     extra_yaml = "ingress: {replicas: 1}\n"
 
 
+class FlotillaPinned(Flotilla):
+    """The default with ``cpu.bind_cores: true``: each group's workers pinned to cores of their own."""
+
+    name = "flotilla-pinned"
+    cpu_extra = ", bind_cores: true"
+
+
 class FlotillaRay(Flotilla):
     name = "flotilla-ray"
     executor = "ray"
@@ -239,6 +250,11 @@ class FlotillaRay(Flotilla):
 class FlotillaTwoGroups(Flotilla):
     name = "flotilla-2g"
     groups = 2
+
+
+class FlotillaTwoGroupsPinned(FlotillaTwoGroups):
+    name = "flotilla-2g-pinned"
+    cpu_extra = ", bind_cores: true"
 
 
 class FlotillaWideEp(Flotilla):
@@ -277,9 +293,11 @@ TARGETS = {
         VllmRay,
         Flotilla,
         FlotillaOneIngress,
+        FlotillaPinned,
         FlotillaRay,
         VllmPair,
         FlotillaTwoGroups,
+        FlotillaTwoGroupsPinned,
         VllmEpPair,
         FlotillaWideEp,
         FlotillaWideEpEplb,
@@ -289,8 +307,10 @@ WIDE_EP_TARGETS = ("vllm-ep2", "flotilla-ep", "flotilla-ep-eplb")
 PEERS = {
     "flotilla": ("vllm-uni", "vllm-ray"),
     "flotilla-1ingress": ("vllm-uni", "flotilla"),
+    "flotilla-pinned": ("vllm-uni", "flotilla"),
     "flotilla-ray": ("vllm-ray",),
     "flotilla-2g": ("vllm-2x",),
+    "flotilla-2g-pinned": ("vllm-2x", "flotilla-2g"),
     "flotilla-ep": ("flotilla-2g", "vllm-ep2"),
     "flotilla-ep-eplb": ("flotilla-ep",),
 }
@@ -316,14 +336,48 @@ def bench_serve(url: str, model_dir: Path, args: argparse.Namespace, prompts: in
     return {key: result[key] for key in METRICS}
 
 
+ENGINE_TIMES = {  # vLLM's own histograms, in whichever process runs the AsyncLLM (API server or group leader)
+    "prefill_ms": "vllm:request_prefill_time_seconds",  # EngineCore: scheduled → first token
+    "engine_ttft_ms": "vllm:time_to_first_token_seconds",  # AsyncLLM: request in → first token out
+}
+
+
+def engine_sums(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each ``ENGINE_TIMES`` histogram on ``url``'s /metrics (one server behind a balancer)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    sums = {}
+    for key, name in ENGINE_TIMES.items():
+        values = [
+            [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"{name}{suffix}")]
+            for suffix in ("_sum", "_count")
+        ]
+        sums[key] = (sum(values[0]), sum(values[1]))
+    return sums
+
+
+def engine_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean milliseconds of each histogram over the requests between the two readings."""
+    return {
+        key: (after[key][0] - before[key][0]) / (after[key][1] - before[key][1]) * 1000
+        for key in ENGINE_TIMES
+        if after[key][1] > before[key][1]
+    }
+
+
 def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     startup_s = target.start()
     try:
         bench_serve(target.url, args.model, args, 4, 1)  # warm-up
+        before = engine_sums(target.url)
+        c1 = bench_serve(target.url, args.model, args, args.prompts_c1, 1)
+        c1_engine = engine_means(before, engine_sums(target.url))
         run = {
             "target": target.name,
             "startup_s": startup_s,
-            "c1": bench_serve(target.url, args.model, args, args.prompts_c1, 1),
+            "c1": c1,
+            "c1_engine": c1_engine,
             "cN": bench_serve(target.url, args.model, args, args.prompts_cn, args.concurrency),
         }
         return run | {"server": target.observe()}
@@ -348,6 +402,9 @@ def summarize(runs: list[dict[str, Any]], targets: list[str]) -> dict[str, dict[
         row = {"startup_s": statistics.median(r["startup_s"] for r in mine)}
         for phase in ("c1", "cN"):
             row |= {f"{phase}_{m}": statistics.median(r[phase][m] for r in mine) for m in METRICS}
+        for key in ENGINE_TIMES:
+            if all(key in r.get("c1_engine", {}) for r in mine):
+                row[f"c1_{key}"] = statistics.median(r["c1_engine"][key] for r in mine)
         rows[name] = row
     return rows
 
@@ -394,8 +451,31 @@ def markdown(
                     f"{a['cN_p99_itl_ms'] / b['cN_p99_itl_ms']:.2f}× (c{n}); TTFT p50 at concurrency 1 "
                     f"{a['c1_median_ttft_ms'] - b['c1_median_ttft_ms']:+.1f} ms."
                 )
+    lines += engine_lines(rows)
     lines += eplb_lines(runs)
     return "\n".join(lines)
+
+
+def engine_lines(rows: dict[str, dict[str, float]]) -> list[str]:
+    """Where TTFT goes at concurrency 1: vLLM's own timings of the engine, beside the client's TTFT."""
+    timed = {name: r for name, r in rows.items() if all(f"c1_{key}" in r for key in ENGINE_TIMES)}
+    if not timed:
+        return []
+    lines = [
+        "",
+        "Inside the engine at concurrency 1 (means of vLLM's own histograms over the same requests; behind a "
+        "balancer, one server's): prefill = EngineCore, scheduled → first token; engine TTFT = the AsyncLLM "
+        "(vLLM's API server, or Flotilla's group leader), request in → first token out.",
+        "",
+        "| target | prefill | engine TTFT | client TTFT p50 |",
+        "|---|---|---|---|",
+    ]
+    for name, r in timed.items():
+        lines.append(
+            f"| {name} | {r['c1_prefill_ms']:.1f} ms | {r['c1_engine_ttft_ms']:.1f} ms "
+            f"| {r['c1_median_ttft_ms']:.1f} ms |"
+        )
+    return lines
 
 
 def eplb_lines(runs: list[dict[str, Any]]) -> list[str]:

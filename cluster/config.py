@@ -62,10 +62,11 @@ class CpuEngineDefaults(_Strict):
         description="OpenMP threads per worker; default: the node's cores less one per worker, divided among them.",
     )
     bind_cores: bool = Field(
-        True,
+        False,
         description=(
             "Pin each worker's threads to cores that no other group on the machine holds, as vLLM's CPU executor "
-            "pins its own (groups on one node, executor mp); false: let the OS place them."
+            "pins its own (groups on one node, executor mp). Off by default: on a small machine an unpinned worker "
+            "can move away from the front end's processes (docs/benchmarks.md)."
         ),
     )
 

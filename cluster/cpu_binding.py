@@ -1,16 +1,17 @@
-"""Cores of their own for the CPU workers of every group on a machine.
+"""Cores of their own for the CPU workers of every group on a machine (``cpu.bind_cores``, off by default).
 
 vLLM's CPU executor pins each worker's OpenMP threads to cores (``VLLM_CPU_OMP_THREADS_BIND``, default
 ``auto``), but it only sees its own ranks: two engines on one machine would pin to the same cores. So
-Flotilla used to run unpinned, and paid for it: on 2 cores a 512-token prefill of tiny-llama took 66 ms
-in EngineCore against 55 ms in vLLM's own server, the worker thread migrating and being preempted by
-everything else on the machine; pinned as vLLM pins it, 56 ms (docs/benchmarks.md, "Where TTFT goes").
+Flotilla runs its workers unpinned unless asked. Measured side by side on 2 cores (docs/benchmarks.md,
+``serve_overhead``), pinning one group's worker made it slower at concurrency 1: the worker can no longer
+move away from the front end's processes (leader, ingress, HAProxy) that land on its core. On a machine
+with cores to spare for those, pinning is what vLLM recommends for CPU serving; this makes it safe there.
 
-Here each group's leader claims cores before it starts its engine: one exclusive ``flock`` per core, on
-a lock file every Flotilla process on the machine shares, held by the leader for its life and released
-by the kernel however the leader ends (a SIGKILLed group frees its cores for its replacement). Groups on
+Each group's leader claims cores before it starts its engine: one exclusive ``flock`` per core, on a lock
+file every Flotilla process on the machine shares, held by the leader for its life and released by the
+kernel however the leader ends (a SIGKILLed group frees its cores for its replacement). Groups on
 simulated nodes of one machine therefore never share a core, and a claim needs no coordinator. Where
-too few cores are free the group runs unpinned, as before.
+too few cores are free the group runs unpinned.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class EngineSpec:
     engine_args: dict[str, Any] = field(default_factory=dict)
     cpu_kv_cache_memory_bytes: int = 512 << 20
     cpu_threads_per_worker: int | None = None
-    cpu_bind_cores: bool = True
+    cpu_bind_cores: bool = False
     """Pin each worker's threads to cores no other group on the machine holds (``cpu_binding``; mp executor)."""
     kv_events: bool = True
     """Publish vLLM's KV-cache events (ZMQ) so routers can track this engine's cache exactly."""
@@ -214,7 +214,8 @@ def apply_process_env(spec: EngineSpec, on_cpu: bool, node_cpus: float, node_slo
         return None
     env = worker_env(spec, on_cpu, node_cpus, node_slots)
     # vLLM's own binding (``auto``) sees only this engine's ranks and would pin every group to the same
-    # cores: Flotilla claims distinct ones. Wide-EP engines (vLLM slices the lists by DP rank) run unpinned.
+    # cores: Flotilla claims distinct ones where asked. Wide-EP engines (vLLM slices the lists by DP rank)
+    # run unpinned.
     claim = None
     if spec.cpu_bind_cores and spec.data_parallel_size == 1:
         claim = claim_cores(spec.world_size, int(env["OMP_NUM_THREADS"]))
