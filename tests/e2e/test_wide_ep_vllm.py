@@ -59,9 +59,19 @@ def reference(tiny_mixtral: Path) -> list[str]:
         return answers(url)
 
 
+STEP_INTERVAL = 1024
+"""The example rebalances every 128 steps; the module before the skewed load can use most of them, and
+then no reading of the initial placement under that load exists. The test serves the example with more."""
+
+
 @pytest.fixture(scope="module")
-def server(reference: list[str]) -> Iterator[Server]:  # after the reference: one server at a time on 2 cores
-    with flotilla_serve(EXAMPLE, env={"FLOTILLA_ADMIN_TOKEN": TOKEN}) as running:
+def server(reference: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # after the reference: one server at a time on 2 cores
+    raw = yaml.safe_load((REPO / EXAMPLE).read_text())
+    raw["engine_args"]["eplb_config"]["step_interval"] = STEP_INTERVAL
+    config = tmp_path_factory.mktemp("wide-ep") / Path(EXAMPLE).name
+    config.write_text(yaml.safe_dump(raw))
+    with flotilla_serve(str(config), env={"FLOTILLA_ADMIN_TOKEN": TOKEN}) as running:
         yield running
 
 
@@ -76,24 +86,31 @@ def test_a_dp2_ep2_group_answers_like_one_engine_and_routes_to_each_rank(server:
     assert len(nodes) == 2, "both DP ranks on one node: the example asks for one per node"
 
 
-def settled_balance(server: Server) -> tuple[int, float] | None:
-    """(rebalances so far, balancedness) once vLLM's load window holds only the current placement's steps,
-    as the coordinator read it from the engines (every ingress exports it)."""
+def eplb_reading(server: Server) -> dict[str, float]:
+    """The EP group's ``flotilla_eplb_*`` series, as the coordinator read them from the engines."""
     text = httpx.get(f"{server.url}/metrics", params={"scope": "cluster"}, timeout=30).text
-    reading = {
+    return {
         line.split("{", 1)[0]: float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
         if line.startswith("flotilla_eplb_") and f'group="{EP_GROUP}"' in line and "layer=" not in line
     }
+
+
+def settled_balance(server: Server, min_steps: float = WINDOW) -> tuple[int, float] | None:
+    """(rebalances so far, balancedness) once vLLM's load window holds only the current placement's steps
+    (``min_steps`` since the last rebalance, at least a window's)."""
+    reading = eplb_reading(server)
     steps = reading.get("flotilla_eplb_steps_since_rebalance", 0)
-    if steps < WINDOW or "flotilla_eplb_balancedness_overall" not in reading:
+    if steps < max(min_steps, WINDOW) or "flotilla_eplb_balancedness_overall" not in reading:
         return None
     return int(reading["flotilla_eplb_rebalances_total"]), reading["flotilla_eplb_balancedness_overall"]
 
 
 def test_vllms_eplb_rebalances_the_skewed_ep_group_and_the_answers_stay_the_same(server: Server, reference) -> None:
+    before_load = eplb_reading(server).get("flotilla_eplb_steps_since_rebalance", 0)
     with Load(server.url, MODEL):  # one prompt over and over: a few experts get most tokens
-        initial = wait_for(lambda: settled_balance(server), 300)
+        # A window of the skewed load's own steps under the initial placement (not the earlier tests' load).
+        initial = wait_for(lambda: settled_balance(server, before_load + WINDOW), 300)
         assert initial, "vLLM's EPLB state never reached the coordinator"
         assert initial[0] == 0, f"a rebalance before the skewed load: {initial}"
         rebalanced = wait_for(lambda: (b := settled_balance(server)) is not None and b[0] >= 1 and b, 300)
