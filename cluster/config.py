@@ -65,8 +65,8 @@ class CpuEngineDefaults(_Strict):
         False,
         description=(
             "Pin each worker's threads to cores that no other group on the machine holds, as vLLM's CPU executor "
-            "pins its own (groups on one node, executor mp). Off by default: on a small machine an unpinned worker "
-            "can move away from the front end's processes (docs/benchmarks.md)."
+            "pins its own (groups on one node, executor mp; not wide-EP groups). Off by default: on a small "
+            "machine an unpinned worker can move away from the front end's processes (docs/benchmarks.md)."
         ),
     )
 
