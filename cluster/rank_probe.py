@@ -18,10 +18,21 @@ LAST_REARRANGE_ATTRIBUTE = "flotilla_last_rearrange_s"
 
 class RankProbe:
     def flotilla_rank_process(self) -> tuple[int, str]:
-        """This rank's process id and title (``VLLM::Worker_TP0``; ``VLLM::EngineCore`` for a single rank)."""
-        import setproctitle
+        """This rank's process id and title (``VLLM::Worker_TP0``; ``VLLM::EngineCore`` for a single rank).
 
-        return os.getpid(), setproctitle.getproctitle()
+        setproctitle cannot find the process's argv once the process has changed its first environment
+        variable before vLLM named it (which one comes first depends on the parent's environment), and
+        then reports no title; the rank's place in its TP and PP groups names it instead."""
+        import setproctitle
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        title = setproctitle.getproctitle()
+        if not title:
+            tp, pp = get_tp_group(), get_pp_group()
+            places = [f"PP{pp.rank_in_group}"] if pp.world_size > 1 else []
+            places += [f"TP{tp.rank_in_group}"] if tp.world_size > 1 else []
+            title = "_".join(["Worker", *places])
+        return os.getpid(), title
 
     def flotilla_eplb_snapshot(self) -> dict[str, Any] | None:
         """vLLM's EPLB state on this rank (None without EPLB): the expert load this rank recorded over the
