@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
@@ -83,6 +83,8 @@ class Load:
     concurrency: int = 4
     timeout_s: float = 300
     headers: dict[str, str] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """Extra fields of every request's body, e.g. ``{"temperature": 0}`` for the same tokens each time."""
     outcomes: list[Outcome] = field(default_factory=list)
     _started: dict[int, float] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -92,7 +94,7 @@ class Load:
         def run(worker: int) -> None:
             with httpx.Client(timeout=self.timeout_s, headers=self.headers) as client:
                 while not self._stop.is_set():
-                    body = {"model": self.model, "prompt": "The harbour at dawn", "max_tokens": 12}
+                    body = {"model": self.model, "prompt": "The harbour at dawn", "max_tokens": 12, **self.sampling}
                     started = self._started[worker] = time.time()
                     try:
                         response = client.post(f"{self.url}/v1/completions", json=body)
