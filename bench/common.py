@@ -84,9 +84,11 @@ import os, signal, sys, time
 from ray import serve
 from ray.serve.llm import LLMConfig, build_openai_app
 from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+from ray.llm._internal.serve.core.ingress.dev_ingress import build_dev_openai_app
 import ray
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # threads started below inherit it
-ray.init(num_cpus=16, include_dashboard=%(dashboard)s, dashboard_host="127.0.0.1", dashboard_port=%(dashboard_port)d)
+ray.init(num_cpus=16, include_dashboard=%(dashboard)s, dashboard_host="127.0.0.1", dashboard_port=%(dashboard_port)d,
+         _metrics_export_port=%(metrics_export_port)s)
 config = LLMConfig(
     model_loading_config={"model_id": "%(name)s", "model_source": "%(model)s"},
     accelerator_config={"kind": "cpu"},
@@ -98,11 +100,18 @@ config = LLMConfig(
     deployment_config={"num_replicas": %(replicas)d%(deployment_extra)s},
 )
 serve.start(http_options={"host": "127.0.0.1", "port": %(port)d})
-serve.run(build_openai_app({"llm_configs": [config]}), blocking=False)
+serve.run((build_dev_openai_app if %(dev_endpoints)s else build_openai_app)({"llm_configs": [config]}), blocking=False)
 signal.sigwait({signal.SIGINT, signal.SIGTERM})
 serve.shutdown()
 ray.shutdown()
 """
+
+
+def ray_serve_llm_script(**fields: Any) -> str:
+    """RAY_APP with ``fields``; unless given: no extra deployment options, a dashboard, Ray's own choice of
+    metrics port, and the plain OpenAI app (``dev_endpoints``: Ray's dev ingress, with ``/reset_prefix_cache``)."""
+    defaults = {"deployment_extra": "", "dashboard": True, "metrics_export_port": None, "dev_endpoints": False}
+    return RAY_APP % (defaults | fields)
 
 
 def serve_running_replicas(dashboard: str) -> dict[str, int] | None:

@@ -43,9 +43,9 @@ import psutil
 
 from bench.common import (
     ENGINE_ENV,
-    RAY_APP,
     RESULTS,
     Process,
+    ray_serve_llm_script,
     serve_running_replicas,
     wait_ready,
     wait_replicas_running,
@@ -228,18 +228,17 @@ class RayServe:
         self.name = "ray-serve-llm, health checks 0.5 s / 3 s" if tuned else "ray-serve-llm, defaults"
         self.url = f"http://127.0.0.1:{port}"
         self.dashboard = f"http://127.0.0.1:{port + 1}"
-        script = RAY_APP % {
-            "name": "tiny-llama",
-            "model": MODEL,
-            "kv": 256 << 20,
-            "blocks": 1024,
-            "max_model_len": 2048,  # tiny-llama's max_position_embeddings (vLLM refuses more)
-            "port": port,
-            "replicas": 2,
-            "deployment_extra": TUNED_HEALTH_CHECK if tuned else "",
-            "dashboard": True,
-            "dashboard_port": port + 1,
-        }
+        script = ray_serve_llm_script(
+            name="tiny-llama",
+            model=MODEL,
+            kv=256 << 20,
+            blocks=1024,
+            max_model_len=2048,  # tiny-llama's max_position_embeddings (vLLM refuses more)
+            port=port,
+            replicas=2,
+            deployment_extra=TUNED_HEALTH_CHECK if tuned else "",
+            dashboard_port=port + 1,
+        )
         env = ENGINE_ENV | {"RAY_AUTH_MODE": "disabled", "FLOTILLA_CPU_RAY_PLUGIN": "0"}
         self.process = Process("fault-ray-serve", [sys.executable, "-c", script], env, RESULTS)
         wait_ready(self.url, self.process, timeout_s=1200)

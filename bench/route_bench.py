@@ -38,10 +38,10 @@ import httpx
 
 from bench.common import (
     ENGINE_ENV,
-    RAY_APP,
     RESULTS,
     Process,
     percentile,
+    ray_serve_llm_script,
     wait_ready,
     wait_replicas_running,
     write_docs_section,
@@ -226,6 +226,23 @@ def metric_sum(text: str, name: str, label: str | None = None) -> dict[str, floa
     return dict(totals)
 
 
+def prefix_cache_counters(text: str) -> tuple[float, float]:
+    """(hit tokens, queried tokens) in vLLM's prefix-cache counters in a Prometheus text, summed over every
+    engine: ``vllm:prefix_cache_hits_total`` as vLLM exports it, under a prefix (``ray_vllm_…``) through
+    Ray's metrics agent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {"hits": 0.0, "queries": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for kind in totals:
+                if sample.name.endswith(f"vllm:prefix_cache_{kind}_total") or sample.name.endswith(
+                    f"vllm_prefix_cache_{kind}_total"
+                ):
+                    totals[kind] += sample.value
+    return totals["hits"], totals["queries"]
+
+
 class FlotillaStack:
     def __init__(
         self, blocks: int, ingress_replicas: int, port: int, groups: int = 4, max_model_len: int = 4096
@@ -265,9 +282,7 @@ class FlotillaStack:
 
     def engine_prefix_cache(self) -> tuple[float, float]:
         """(hit tokens, queried tokens) so far, summed over every group's engine (their own counters)."""
-        text = httpx.get(f"{self.url}/metrics", params={"scope": "cluster"}, timeout=30).text
-        hits = sum(metric_sum(text, "vllm:prefix_cache_hits_total").values())
-        return hits, sum(metric_sum(text, "vllm:prefix_cache_queries_total").values())
+        return prefix_cache_counters(httpx.get(f"{self.url}/metrics", params={"scope": "cluster"}, timeout=30).text)
 
     def per_group(self) -> dict[str, float]:
         texts = [httpx.get(url, timeout=30).text for url in self.metrics_urls]
@@ -278,8 +293,8 @@ class FlotillaStack:
 
 
 class VllmServers:
-    def __init__(self, blocks: int, base_port: int) -> None:
-        self.urls = [f"http://127.0.0.1:{base_port + i}" for i in range(4)]
+    def __init__(self, blocks: int, base_port: int, count: int = 4, max_model_len: int = 4096) -> None:
+        self.urls = [f"http://127.0.0.1:{base_port + i}" for i in range(count)]
         self.processes = []
         for i in range(len(self.urls)):
             command = [
@@ -302,7 +317,7 @@ class VllmServers:
                 "--num-gpu-blocks-override",
                 str(blocks),
                 "--max-model-len",
-                "4096",
+                str(max_model_len),
                 "--compilation-config",
                 '{"mode": 2, "backend": "eager"}',
                 "--enable-prompt-tokens-details",
@@ -314,6 +329,11 @@ class VllmServers:
     def reset(self) -> None:
         for url in self.urls:
             httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
+
+    def engine_prefix_cache(self) -> tuple[float, float]:
+        """(hit tokens, queried tokens) so far, summed over the servers' engines (their own counters)."""
+        texts = [httpx.get(f"{url}/metrics", timeout=30).text for url in self.urls]
+        return prefix_cache_counters("\n".join(texts))
 
     def requests_served(self) -> dict[str, float]:
         return {
@@ -369,24 +389,46 @@ class SglangRouter:
 
 
 class RayServeLlm:
-    def __init__(self, blocks: int, port: int) -> None:
+    """Ray Serve LLM with its prefix-cache affinity router; Ray's dev ingress for ``/reset_prefix_cache``, and
+    the engines' vLLM counters on Ray's metrics port (``port + 2``)."""
+
+    def __init__(self, blocks: int, port: int, replicas: int = 4, max_model_len: int = 4096) -> None:
         self.url = f"http://127.0.0.1:{port}"
-        script = RAY_APP % {
-            "name": MODEL_NAME,
-            "model": MODEL,
-            "kv": 512 << 20,
-            "blocks": blocks,
-            "max_model_len": 4096,
-            "port": port,
-            "replicas": 4,
-            "deployment_extra": ', "request_router_config": {"request_router_class": PrefixCacheAffinityRouter}',
-            "dashboard": True,
-            "dashboard_port": port + 1,
-        }
+        self.metrics_url = f"http://127.0.0.1:{port + 2}/metrics"
+        script = ray_serve_llm_script(
+            name=MODEL_NAME,
+            model=MODEL,
+            kv=512 << 20,
+            blocks=blocks,
+            max_model_len=max_model_len,
+            port=port,
+            replicas=replicas,
+            deployment_extra=', "request_router_config": {"request_router_class": PrefixCacheAffinityRouter}',
+            dashboard_port=port + 1,
+            metrics_export_port=port + 2,
+            dev_endpoints=True,
+        )
         env = ENGINE_ENV | {"RAY_AUTH_MODE": "disabled", "FLOTILLA_CPU_RAY_PLUGIN": "0"}
         self.process = Process("ray-serve-llm", [sys.executable, "-c", script], env, RESULTS)
         wait_ready(self.url, self.process, timeout_s=1200)
-        wait_replicas_running(f"http://127.0.0.1:{port + 1}", 4, self.process)
+        wait_replicas_running(f"http://127.0.0.1:{port + 1}", replicas, self.process)
+
+    def reset(self) -> None:
+        httpx.post(f"{self.url}/reset_prefix_cache", json={"model": MODEL_NAME}, timeout=60).raise_for_status()
+
+    def engine_prefix_cache(self) -> tuple[float, float]:
+        """(hit tokens, queried tokens) so far, summed over the replicas' engines, once Ray's metrics agent
+        has them all: it exports what the replicas pushed at their last report (every few seconds), so
+        the reading is taken when it stops changing."""
+        readings: list[tuple[float, float]] = []
+
+        def settled() -> bool:
+            readings.append(prefix_cache_counters(httpx.get(self.metrics_url, timeout=30).text))
+            return len(readings) >= 2 and readings[-1] == readings[-2]
+
+        if not wait_for(settled, 120, 12):
+            raise RuntimeError(f"Ray's engine counters did not settle: {readings[-3:]}")
+        return readings[-1]
 
     def stop(self) -> None:
         self.process.stop()

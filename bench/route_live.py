@@ -1,4 +1,5 @@
-"""Routing policies switched live on one Flotilla, load from vLLM's `bench serve` `prefix_repetition` dataset.
+"""Routing policies switched live on one Flotilla, and the peers on the same engines, load from vLLM's
+`bench serve` `prefix_repetition` dataset.
 
 One `flotilla serve` with 2 groups of ``bench-llama`` whose KV caches (``--blocks`` each) together
 hold a workload's prefixes but neither alone does. For each workload, every policy in turn: switch
@@ -9,7 +10,12 @@ prefix-cache counters (``vllm:prefix_cache_hits_total`` / ``queries_total`` in `
 not from the router's belief. ``cache_aware (previous)`` is the policy with the defaults it had
 before the KV-usage filter was turned off and the eviction term added.
 
-    python -m bench.route_live [--blocks 48] [--workloads c4,c8,short]
+The peers, in the same run, on engines with the same settings (2 engines, ``--blocks`` each, one
+OpenMP thread): ``sglang``, SGLang's gateway (``cache_aware``) in front of 2 vLLM OpenAI servers;
+``ray``, Ray Serve LLM with 2 replicas and its ``PrefixCacheAffinityRouter``. Their prefix caches
+are emptied before each workload too, and their hit rates are the engines' counters as well.
+
+    python -m bench.route_live [--blocks 48] [--workloads c4,c8,short] [--arms flotilla,sglang,ray]
 """
 
 from __future__ import annotations
@@ -17,16 +23,18 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import date
-from typing import Any
+from typing import Any, Protocol
 
 from bench.common import RESULTS, publish
-from bench.route_bench import MODEL, MODEL_NAME, FlotillaStack
+from bench.route_bench import MODEL, MODEL_NAME, FlotillaStack, RayServeLlm, SglangRouter, VllmServers
 from devtools import REPO
 
 SECTION = "route_live"
 PORT = 18700
+MAX_MODEL_LEN = 2048
 POLICIES: list[tuple[str, str, dict[str, float]]] = [
     ("round_robin", "round_robin", {}),
     ("prefix_only", "prefix_only", {}),
@@ -85,12 +93,24 @@ def bench_serve(url: str, workload: Workload, seed: int) -> dict[str, Any]:
     return result
 
 
-def measure(stack: FlotillaStack, workload: Workload, label: str, policy: str, params: dict[str, float]) -> Run:
-    stack.prepare(policy, params)
+class Stack(Protocol):
+    url: str
+
+    def engine_prefix_cache(self) -> tuple[float, float]: ...
+
+
+def warm_up(stack: Stack, workload: Workload) -> None:
+    """The workload's shape with other prompts (another seed): compiled paths, tokenizer, connections."""
+    bench_serve(stack.url, workload, seed=1)
+
+
+def measure(stack: Stack, workload: Workload, label: str, reset: Callable[[], None]) -> Run:
+    """One measured run: every engine's prefix cache emptied (``reset``), then the workload's prompts."""
+    reset()
     hits_before, queries_before = stack.engine_prefix_cache()
     result = bench_serve(stack.url, workload, seed=7)
     hits, queries = stack.engine_prefix_cache()
-    return Run(
+    run = Run(
         workload.name,
         label,
         (hits - hits_before) / max(1.0, queries - queries_before),
@@ -98,14 +118,18 @@ def measure(stack: FlotillaStack, workload: Workload, label: str, policy: str, p
         result["p99_ttft_ms"],
         result["output_throughput"],
     )
+    print(f"  {run}", flush=True)
+    return run
 
 
 def render(runs: list[Run], args: argparse.Namespace, command: str) -> str:
     lines = [
         f"Date: {date.today().isoformat()}. Command: `{command.strip()}`. One `flotilla serve`, 2 groups of "
         f"`bench-llama` (float32, CPU, 1 thread each, {args.blocks} KV blocks × 128 tokens each), policies switched "
-        "live with `PUT /admin/routing`, every engine's prefix cache emptied before each; load: vLLM's `bench serve` "
-        "client, `prefix_repetition` dataset, same seed for every policy. Hit rate: the engines' own counters.",
+        "live with `PUT /admin/routing`; the peers on 2 engines with the same settings: `sglang` = SGLang's gateway "
+        "(`cache_aware`) in front of 2 vLLM OpenAI servers, `ray` = Ray Serve LLM, 2 replicas, "
+        "`PrefixCacheAffinityRouter`. Every engine's prefix cache emptied before each run; load: vLLM's `bench serve` "
+        "client, `prefix_repetition` dataset, same seed for every arm. Hit rate: the engines' own counters.",
         "",
         "| workload | policy | hit rate | TTFT p50 | TTFT p99 | output tok/s |",
         "|---|---|---|---|---|---|",
@@ -122,22 +146,45 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=48, help="KV blocks (128 tokens) per group")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {sorted(WORKLOADS)}")
+    parser.add_argument("--arms", default="flotilla,sglang,ray", help="flotilla (every policy), sglang, ray")
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args()
     subprocess.run([sys.executable, "-m", "flotilla.cli", "make-model", "bench-llama"], cwd=REPO, check=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    # vLLM wants one request of max_model_len to fit the KV cache: few blocks, shorter limit (prompts < 2048).
-    stack = FlotillaStack(args.blocks, 1, PORT, groups=2, max_model_len=2048)
+    workloads = [WORKLOADS[key] for key in args.workloads.split(",")]
+    arms = args.arms.split(",")
     runs = []
-    try:
-        for key in args.workloads.split(","):
-            workload = WORKLOADS[key]
-            bench_serve(stack.url, workload, seed=1)  # warm-up (other prompts): compiled paths, tokenizer
-            for label, policy, params in POLICIES:
-                runs.append(measure(stack, workload, label, policy, params))
-                print(f"  {runs[-1]}", flush=True)
-    finally:
-        stack.stop()
+    # vLLM wants one request of max_model_len to fit the KV cache: few blocks, shorter limit (prompts < 2048).
+    if "flotilla" in arms:
+        flotilla = FlotillaStack(args.blocks, 1, PORT, groups=2, max_model_len=MAX_MODEL_LEN)
+        try:
+            for workload in workloads:
+                warm_up(flotilla, workload)
+                for label, policy, params in POLICIES:
+                    runs.append(measure(flotilla, workload, label, lambda p=policy, q=params: flotilla.prepare(p, q)))
+        finally:
+            flotilla.stop()
+    if "sglang" in arms:
+        servers = VllmServers(args.blocks, PORT + 10, count=2, max_model_len=MAX_MODEL_LEN)
+        try:
+            router = SglangRouter(servers, PORT + 20)
+            try:
+                for workload in workloads:
+                    sglang = PeerStack(router.url, servers)
+                    warm_up(sglang, workload)
+                    runs.append(measure(sglang, workload, "sglang", servers.reset))
+            finally:
+                router.stop()
+        finally:
+            servers.stop()
+    if "ray" in arms:
+        ray_llm = RayServeLlm(args.blocks, PORT + 30, replicas=2, max_model_len=MAX_MODEL_LEN)
+        try:
+            for workload in workloads:
+                warm_up(ray_llm, workload)
+                runs.append(measure(ray_llm, workload, "ray", ray_llm.reset))
+        finally:
+            ray_llm.stop()
     report = render(runs, args, "python -m bench.route_live " + " ".join(sys.argv[1:]))
     publish(
         SECTION,
@@ -146,6 +193,17 @@ def main() -> None:
         {"runs": [asdict(r) for r in runs]},
         not args.no_docs,
     )
+
+
+@dataclass(frozen=True)
+class PeerStack:
+    """A router's URL, and the engines behind it whose counters give the hit rate."""
+
+    url: str
+    servers: VllmServers
+
+    def engine_prefix_cache(self) -> tuple[float, float]:
+        return self.servers.engine_prefix_cache()
 
 
 if __name__ == "__main__":
