@@ -19,8 +19,16 @@ from flotilla.cluster.vllm_cpu_shm import SHM_DIR, patch_cpu_shm, remove_segment
 WORLD = 2
 
 
+def import_kernels() -> None:
+    """vLLM's C++ ops (``torch.ops._C``, the shared-memory ones among them), the build for this CPU as vLLM
+    picks it: ``import vllm._C`` is the AVX512-BF16 build and dies of an illegal instruction elsewhere."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    CpuPlatform.import_kernels()
+
+
 def _shm_ranks(rank: int, init_file: str, ident: str, results: dict) -> None:
-    import vllm._C  # noqa: F401  (registers the torch.ops._C shared-memory ops)
+    import_kernels()
     from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
 
     os.environ["VLLM_DIST_IDENT"] = ident  # vLLM puts the torch store's port here
@@ -43,9 +51,9 @@ def _shm_ranks(rank: int, init_file: str, ident: str, results: dict) -> None:
 
 @pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this system")
 def test_segments_are_unlinked_once_mapped_and_a_dead_groups_leftover_does_not_block_the_start() -> None:
-    pytest.importorskip("vllm._C")
+    import_kernels()
     if not hasattr(torch.ops._C, "init_shm_manager"):
-        pytest.skip("this vLLM build has no CPU shared-memory collectives")
+        pytest.skip("vLLM's kernels for this CPU have no shared-memory collectives (its AVX2 build has none)")
     ident = f"flotilla-test-{os.getpid()}"
     group_name = f"{ident}-tp:0-[0-1]-cpushm"
     leftover = segment_path(group_name, 0)
