@@ -63,7 +63,15 @@ class Outcome:
 def grid(seeds: list[int]) -> list[Cell]:
     cells = []
     for seed in seeds:
-        for groups, prefixes, blocks in [(2, 6, 48), (2, 10, 64), (3, 9, 48), (4, 12, 48), (8, 24, 48), (4, 8, 96)]:
+        for groups, prefixes, blocks in [
+            (2, 6, 32),
+            (2, 6, 48),
+            (2, 10, 64),
+            (3, 9, 48),
+            (4, 12, 48),
+            (8, 24, 48),
+            (4, 8, 96),
+        ]:
             sessions = shared_prefix(VOCAB, prefixes, 12, 1024, 64, 16, seed=seed)
             for concurrency in (4, 8, 16):
                 name = f"prefix_repetition {groups}g × {blocks} blocks, {prefixes} × 1024 tok, c{concurrency}, s{seed}"
