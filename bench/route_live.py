@@ -35,6 +35,7 @@ from devtools import REPO
 SECTION = "route_live"
 PORT = 18700
 MAX_MODEL_LEN = 2048
+"""vLLM wants one request of max_model_len to fit the KV cache: few blocks, shorter limit (prompts < 2048)."""
 POLICIES: list[tuple[str, str, dict[str, float]]] = [
     ("round_robin", "round_robin", {}),
     ("prefix_only", "prefix_only", {}),
@@ -154,7 +155,6 @@ def main() -> None:
     workloads = [WORKLOADS[key] for key in args.workloads.split(",")]
     arms = args.arms.split(",")
     runs = []
-    # vLLM wants one request of max_model_len to fit the KV cache: few blocks, shorter limit (prompts < 2048).
     if "flotilla" in arms:
         flotilla = FlotillaStack(args.blocks, 1, PORT, groups=2, max_model_len=MAX_MODEL_LEN)
         try:
@@ -169,8 +169,8 @@ def main() -> None:
         try:
             router = SglangRouter(servers, PORT + 20)
             try:
+                sglang = PeerStack(router.url, servers)
                 for workload in workloads:
-                    sglang = PeerStack(router.url, servers)
                     warm_up(sglang, workload)
                     runs.append(measure(sglang, workload, "sglang", servers.reset))
             finally:

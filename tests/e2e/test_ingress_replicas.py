@@ -198,7 +198,7 @@ def test_killing_an_ingress_replica_under_load_fails_only_requests_in_flight_on_
         assert wait_for(lambda: in_flight(ports[1]) >= 1, 60, interval_s=0.05), "no request on the victim"
         os.kill(pid, signal.SIGKILL)
         # A dying process still accepts connections for a few ms (CI saw a 500 sent 6 ms after the kill):
-        # what it took then was in flight on it too. From its death on, nothing may fail.
+        # what it took then was in flight on it too. The load is counted from its death on.
         assert wait_for(lambda: dead(pid), 30, interval_s=0.005), "the replica outlived SIGKILL"
         killed_at = time.time()
         assert wait_for(lambda: load.answered_since(killed_at) >= 40, 180), "the load stalled after the kill"
