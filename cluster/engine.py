@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from flotilla.cluster.cpu_binding import UNPINNED, CoreClaim, claim_cores
+from flotilla.cluster.cpu_binding import UNPINNED, CoreClaim, claim_cores, widen_to_machine
 from flotilla.cluster.eplb.vllm_policy import POLICY_NAME, POLICY_SWITCH_ENV
 from flotilla.cluster.rank_probe import RANK_PROBE
 
@@ -219,5 +219,7 @@ def apply_process_env(spec: EngineSpec, on_cpu: bool, node_cpus: float, node_slo
     claim = None
     if spec.cpu_bind_cores and spec.data_parallel_size == 1:
         claim = claim_cores(spec.world_size, int(env["OMP_NUM_THREADS"]))
+        if claim is not None:
+            widen_to_machine()  # the engine's processes start from this thread's mask, which must hold the claim
     os.environ.update(env | {"VLLM_CPU_OMP_THREADS_BIND": claim.omp_threads_bind() if claim else UNPINNED})
     return claim

@@ -25,7 +25,7 @@ from flotilla.cluster.contract import (
     RankProcess,
     to_wire,
 )
-from flotilla.cluster.cpu_binding import CoreClaim
+from flotilla.cluster.cpu_binding import CoreClaim, fence_claimed_cores
 from flotilla.cluster.engine import (
     EngineSpec,
     apply_process_env,
@@ -88,6 +88,18 @@ class GroupLeader:
             ranks.append((title, psutil.Process(pid)))
         return ranks
 
+    async def _fence_claimed_cores(self) -> None:
+        """The workers are pinned now: everything else of Ray's on this machine leaves their cores (``cpu_binding``)."""
+        assert self._core_claim is not None
+        self._core_claim.record_workers([process.pid for _, process in self._ranks])
+        moved = await asyncio.to_thread(fence_claimed_cores)
+        logger.info(
+            "group %s: workers pinned to cores %s; %d other threads moved off them",
+            self.group_name,
+            self._core_claim.omp_threads_bind(),
+            moved,
+        )
+
     def data_parallel_master(self) -> tuple[str, int]:
         """Wide EP, DP rank 0: this node's address and a free port where its engine will meet the other ranks."""
         import ray
@@ -109,6 +121,8 @@ class GroupLeader:
         if self.spec.executor == "mp":
             # Kept for the engine's life: a rank that dies is listed DEAD (then the group restarts).
             self._ranks = await self._ask_ranks()
+        if self._core_claim is not None:
+            await self._fence_claimed_cores()
         self.phase = EnginePhase.READY
         return self.info
 

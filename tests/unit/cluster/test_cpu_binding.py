@@ -1,13 +1,20 @@
-"""Core claims: distinct cores for every engine on the machine, freed however the holder ends."""
+"""Core claims: distinct cores for every engine on the machine, freed however the holder ends; the fence that
+keeps everything else off them."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from flotilla.cluster.cpu_binding import claim_cores
+import psutil
+import pytest
+
+from flotilla.cluster.cpu_binding import HeldClaims, claim_cores, fence_claimed_cores, held_claims, machine_cores
 
 CORES = [0, 1, 2, 3]
 
@@ -53,3 +60,112 @@ def test_a_killed_holder_frees_its_cores(tmp_path: Path) -> None:
         holder.wait(30)
     claim = claim_cores(1, 2, [0, 1], tmp_path)
     assert claim is not None and claim.cores == [[0, 1]]
+
+
+# --- the fence: everything else leaves the pinned workers' cores ----------------------------------------------
+
+needs_two_cores = pytest.mark.skipif(len(machine_cores()) < 2, reason="a fence needs a core left for the rest")
+
+SLEEPER = "import time; time.sleep(600)"
+TREE = (  # a stand-in for a raylet: it starts two children, prints the three pids, then sleeps
+    "import os, subprocess, sys, time\n"
+    f"kids = [subprocess.Popen([sys.executable, '-c', {SLEEPER!r}]) for _ in range(2)]\n"
+    "print(os.getpid(), *(kid.pid for kid in kids), flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+@pytest.fixture
+def tree() -> Iterator[list[int]]:
+    """[root, worker, other]: a process tree like a raylet's, killed afterwards."""
+    root = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True)
+    assert root.stdout is not None
+    pids = [int(pid) for pid in root.stdout.readline().split()]
+    yield pids
+    for pid in pids[1:]:
+        os.kill(pid, signal.SIGKILL)
+    root.kill()
+    root.wait(30)
+
+
+def masks(pid: int) -> set[frozenset[int]]:
+    return {frozenset(os.sched_getaffinity(thread.id)) for thread in psutil.Process(pid).threads()}
+
+
+def test_a_held_claim_is_seen_from_any_process_and_a_dead_one_is_not(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from pathlib import Path\n"
+            "from flotilla.cluster.cpu_binding import claim_cores\n"
+            f"claim = claim_cores(1, 1, [0], Path({str(tmp_path)!r}))\n"
+            "print('claimed', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "claim.record_workers([4242])\n"
+            "print('recorded', flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline().strip() == "claimed"
+        starting = held_claims(tmp_path)
+        assert starting == HeldClaims(frozenset({0}), frozenset(), frozenset({holder.pid}))
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "recorded"
+        assert held_claims(tmp_path) == HeldClaims(frozenset({0}), frozenset({4242}), frozenset())
+    finally:
+        holder.kill()
+        holder.wait(30)
+    assert held_claims(tmp_path) == HeldClaims(frozenset(), frozenset(), frozenset())  # the file stays; its lock went
+
+
+@needs_two_cores
+def test_the_fence_moves_everything_but_the_pinned_workers_off_their_cores(tmp_path: Path, tree: list[int]) -> None:
+    root, worker, other = tree
+    everywhere = machine_cores()
+    core = min(everywhere)
+    claim = claim_cores(1, 1, [core], tmp_path)
+    assert claim is not None
+    claim.record_workers([worker])
+    assert fence_claimed_cores(tmp_path, roots=[root]) > 0
+    assert masks(root) == masks(other) == {frozenset(everywhere - {core})}
+    assert masks(worker) == {frozenset(everywhere)}  # left where vLLM pinned it (here: nowhere in particular)
+    assert fence_claimed_cores(tmp_path, roots=[root]) == 0  # nothing left to move
+
+    claim.release()  # the claim gone, a fence lets everything use its core again
+    assert fence_claimed_cores(tmp_path, roots=[root]) > 0
+    assert masks(root) == masks(other) == masks(worker) == {frozenset(everywhere)}
+
+
+@needs_two_cores
+def test_where_claims_hold_every_core_the_rest_runs_anywhere(tmp_path: Path, tree: list[int]) -> None:
+    root, worker, other = tree
+    everywhere = machine_cores()
+    os.sched_setaffinity(other, {min(everywhere)})  # fenced by an earlier, smaller set of claims
+    claim = claim_cores(1, len(everywhere), sorted(everywhere), tmp_path)
+    assert claim is not None
+    claim.record_workers([worker])
+    fence_claimed_cores(tmp_path, roots=[root])
+    assert masks(root) == masks(other) == {frozenset(everywhere)}
+
+
+@needs_two_cores
+def test_a_starting_leader_and_its_processes_are_left_alone(tmp_path: Path, tree: list[int]) -> None:
+    root, leader, other = tree
+    everywhere = machine_cores()
+    claim = claim_cores(1, 1, [min(everywhere)], tmp_path)
+    assert claim is not None
+    # ``leader`` holds the claim and has not recorded its workers yet (they may not have pinned themselves).
+    for lock in claim._locks:
+        os.ftruncate(lock.fileno(), 0)
+        os.pwrite(lock.fileno(), json.dumps({"leader": leader, "workers": []}).encode(), 0)
+    fence_claimed_cores(tmp_path, roots=[root])
+    assert masks(leader) == {frozenset(everywhere)}
+    assert masks(other) == {frozenset(everywhere - {min(everywhere)})}
