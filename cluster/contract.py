@@ -2,21 +2,26 @@
 
 The ingress renders, validates and routes with vLLM's own frontend; it submits the resulting
 ``EngineCoreRequest`` (prompt token ids and checked sampling parameters) to the chosen group's
-leader actor (``submit``, a Ray actor call). The leader's ``AsyncLLM`` outputs come back over a
-ZeroMQ PUSH→PULL socket per (ingress replica, group): each message is a batch of
+leader through the leader's inbox, a ZeroMQ PUSH→PULL socket (:func:`encode_submission`, with
+vLLM's own msgpack encoding of the request, as its AsyncLLM sends it to EngineCore); aborts take
+the same socket, so one never overtakes its request. The leader's ``AsyncLLM`` outputs come back
+over a ZeroMQ PUSH→PULL socket per (ingress replica, group): each message is a batch of
 :class:`WireOutput`, every output ready at that moment for that ingress's requests, encoded
-with msgpack (:func:`encode_outputs`). Token streams thus skip Ray's per-object machinery; a
-Ray call held open for the channel's life (``attach``) tells the ingress when the leader dies.
+with msgpack (:func:`encode_outputs`). Requests and token streams thus skip Ray's per-call
+machinery; a Ray call held open for the channel's life (``attach``) tells the ingress when the
+leader dies.
 
-Both sides import only this module from each other; it imports vLLM only inside the two
-converters (:func:`to_wire`, :func:`from_wire`).
+Both sides import only this module from each other; it imports vLLM only inside the
+converters (:func:`to_wire`, :func:`from_wire`, the request codec).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from functools import cache
+from typing import Any, Literal
 
 import msgspec
 
@@ -196,6 +201,53 @@ def decode_outputs(payload: bytes) -> list[WireOutput]:
     return _decoder.decode(payload)
 
 
+# --- requests into a leader's inbox: a header frame, then vLLM's own encoding of the request ----------------
+
+
+class InboxHeader(msgspec.Struct, array_like=True):
+    """First frame of an inbox message: a submission (its request's frames follow) or an abort."""
+
+    kind: Literal["submit", "abort"]
+    key: str
+    channel_id: str = ""
+    """Submissions: the ingress channel the outputs go to, and where it listens."""
+    address: str = ""
+
+
+_header_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(InboxHeader)
+
+
+@cache
+def _request_codec() -> tuple[Any, Any]:
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    return MsgpackEncoder(), MsgpackDecoder(EngineCoreRequest)
+
+
+def encode_submission(channel_id: str, address: str, key: str, request: Any) -> list[Any]:
+    """Frames that submit ``request`` (an ``EngineCoreRequest``) as ``key``, outputs to the channel at ``address``."""
+    encoder, _ = _request_codec()
+    header = _header_encoder.encode(InboxHeader("submit", key, channel_id, address))
+    return [header, *encoder.encode(request)]
+
+
+def encode_abort(key: str) -> list[bytes]:
+    return [_header_encoder.encode(InboxHeader("abort", key))]
+
+
+def decode_header(frame: bytes | memoryview) -> InboxHeader:
+    """Typed, as :func:`decode_outputs`: a foreign message raises."""
+    return _header_decoder.decode(frame)
+
+
+def decode_request(frames: Sequence[bytes | memoryview]) -> Any:
+    """The ``EngineCoreRequest`` of a submission's frames (those after the header)."""
+    _, decoder = _request_codec()
+    return decoder.decode(frames)
+
+
 # --- what a leader tells the coordinator, the ingress and `flotilla status` -----------------
 
 
@@ -223,6 +275,8 @@ class EngineInfo:
     startup_s: float
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    inbox_endpoint: str = ""
+    """Where ingress replicas submit requests and aborts (``encode_submission``); set once the engine runs."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from flotilla.cluster.contract import (
     EngineInfo,
     EnginePhase,
     GroupEngineError,
+    InboxHeader,
     LeaderDescription,
     LeaderHealth,
     LoadReport,
@@ -38,6 +39,7 @@ from flotilla.cluster.engine import (
 from flotilla.cluster.output_channel import OutputChannel
 from flotilla.cluster.ports import free_ports
 from flotilla.cluster.rank_probe import RankProbe
+from flotilla.cluster.request_inbox import RequestInbox
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class GroupLeader:
         self._scheduler_stats = SchedulerStatsRecorder()
         self._ranks: list[tuple[str, Any]] = []
         self._core_claim: CoreClaim | None = None
+        self._inbox: RequestInbox | None = None
 
     def describe(self) -> LeaderDescription:
         return LeaderDescription(
@@ -123,6 +126,10 @@ class GroupLeader:
             self._ranks = await self._ask_ranks()
         if self._core_claim is not None:
             await self._fence_claimed_cores()
+        import ray
+
+        self._inbox = RequestInbox(ray.util.get_node_ip_address(), self._accept, self.abort)
+        self.info = dataclasses.replace(self.info, inbox_endpoint=self._inbox.endpoint)
         self.phase = EnginePhase.READY
         return self.info
 
@@ -177,15 +184,19 @@ class GroupLeader:
             kv_events_replay_endpoint=f"tcp://{host}:{replay_port}" if events else None,
         )
 
-    async def submit(self, channel_id: str, address: str, key: str, request: Any) -> None:
-        """Start ``request`` (a ``vllm.v1.engine.EngineCoreRequest``, rendered and validated by the
-        ingress); its outputs are pushed, tagged with ``key``, to the ingress channel at ``address``."""
+    def _accept(self, header: InboxHeader, request: Any) -> None:
+        """Start a request from the inbox (a ``vllm.v1.engine.EngineCoreRequest``, rendered and validated by the
+        ingress); its outputs are pushed, tagged with its key, to the ingress channel the header names."""
+        channel = self._channel(header.channel_id, header.address)
+        if request is None:
+            channel.fail(header.key, EngineErrorKind.INTERNAL, "the request did not decode in the group")
+            return
         if self.phase is not EnginePhase.READY:
-            raise GroupEngineError(EngineErrorKind.ENGINE_DEAD, f"group {self.group_name} is {self.phase.value}")
+            channel.fail(header.key, EngineErrorKind.ENGINE_DEAD, f"group {self.group_name} is {self.phase.value}")
+            return
         if self.num_unfinished_requests() == 0:
             self._scheduler_stats.progressed()  # an idle engine has made no progress for good reason
-        channel = self._channel(channel_id, address)
-        channel.requests[key] = asyncio.create_task(self._run(channel, key, request))
+        channel.requests[header.key] = asyncio.create_task(self._run(channel, header.key, request))
 
     async def attach(self, channel_id: str, address: str) -> None:
         """Held open by an ingress for its channel's life; it fails only if this actor dies.
@@ -199,7 +210,7 @@ class GroupLeader:
             self._channels.pop(channel_id, None)
             channel.close()
 
-    async def abort(self, key: str) -> None:
+    def abort(self, key: str) -> None:
         for channel in self._channels.values():
             task = channel.requests.get(key)
             if task is not None:
@@ -297,6 +308,9 @@ class GroupLeader:
         return 0 if self.engine is None else self.engine.output_processor.get_num_unfinished_requests()
 
     def shutdown(self) -> None:
+        if self._inbox is not None:
+            self._inbox.close()
+            self._inbox = None
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

@@ -80,7 +80,7 @@ class RoutedEngineClient(EngineClient):
         self.stats = stats
         self.max_attempts = max_attempts
         self._active: dict[str, set[tuple[Any, str]]] = {}
-        """vLLM request id → (leader, channel key) of its attempt in flight, for :meth:`abort`."""
+        """vLLM request id → (group channel, key) of its attempt in flight, for :meth:`abort`."""
 
     # --- generation ----------------------------------------------------------------------------
     def generate(  # type: ignore[override]  # a plain def: validation errors surface before the response starts
@@ -138,7 +138,7 @@ class RoutedEngineClient(EngineClient):
                 if last_failure is None:
                     raise
                 raise RetryableRequestError(last_failure) from None  # every group left failed it: say why
-            attempt = (member.leader, uuid.uuid4().hex)
+            attempt = (member.channel, uuid.uuid4().hex)
             self._active.setdefault(request_id, set()).add(attempt)
             generated: list[int] = []
             delivered = False
@@ -195,8 +195,8 @@ class RoutedEngineClient(EngineClient):
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         for rid in [request_id] if isinstance(request_id, str) else request_id:
-            for leader, key in self._active.get(rid, ()):
-                leader.abort.remote(key)
+            for channel, key in self._active.get(rid, ()):
+                channel.abort(key)
 
     # --- health and state ------------------------------------------------------------------------
     @property

@@ -2,9 +2,9 @@
 
 Per (ingress replica, group) there is one ZeroMQ PULL socket on this node; the leader pushes
 msgpack batches of :class:`WireOutput` to it, and a pump task hands each output to its
-request's queue. Requests are submitted with plain Ray actor calls, and one call held open for
-the channel's life (``attach``) fails when the leader dies, which fails every waiting request
-at once: no request waits on a group that is gone.
+request's queue. Requests and aborts are pushed to the leader's inbox (``cluster.request_inbox``),
+and one Ray call held open for the channel's life (``attach``) fails when the leader dies, which
+fails every waiting request at once: no request waits on a group that is gone.
 """
 
 from __future__ import annotations
@@ -19,19 +19,30 @@ import ray
 import zmq
 import zmq.asyncio
 
-from flotilla.cluster.contract import EngineErrorKind, GroupEngineError, WireOutput, decode_outputs
+from flotilla.cluster.contract import (
+    EngineErrorKind,
+    GroupEngineError,
+    WireOutput,
+    decode_outputs,
+    encode_abort,
+    encode_submission,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class GroupChannel:
-    def __init__(self, leader: Any, host: str) -> None:
+    def __init__(self, leader: Any, host: str, inbox_endpoint: str) -> None:
         self.leader = leader  # ActorHandle of cluster.leader.GroupLeader
         self.channel_id = uuid.uuid4().hex
         self._socket = zmq.asyncio.Context.instance().socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
         port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
+        # A plain socket: a non-blocking send needs no event loop, and an asyncio one costs a future per send.
+        self._inbox: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.connect(inbox_endpoint)
         self._queues: dict[str, asyncio.Queue[WireOutput]] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -46,7 +57,7 @@ class GroupChannel:
         self._queues[key] = queue
         finished = False
         try:
-            await self.leader.submit.remote(self.channel_id, self.address, key, request)
+            self._send(encode_submission(self.channel_id, self.address, key, request))
             while not finished:
                 output = await queue.get()
                 finished = output.finished
@@ -57,12 +68,26 @@ class GroupChannel:
         finally:
             del self._queues[key]
             if not finished:
-                self.leader.abort.remote(key)
+                self.abort(key)
+
+    def abort(self, key: str) -> None:
+        """Stop the request ``key`` in the group (nothing happens where it already ended)."""
+        try:
+            self._send(encode_abort(key))
+        except GroupEngineError:
+            pass  # a leader that takes nothing has no request to stop; its attach call ends the channel
 
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         self._socket.close()
+        self._inbox.close()
+
+    def _send(self, frames: list[Any]) -> None:
+        try:
+            self._inbox.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # its high-water mark of queued messages is full: the leader is not reading
+            raise GroupEngineError(EngineErrorKind.ENGINE_DEAD, "the group is not taking requests") from None
 
     def _ensure_started(self) -> None:
         if not self._tasks or any(task.done() for task in self._tasks):

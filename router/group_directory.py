@@ -116,7 +116,7 @@ class GroupDirectory:
         member = Member(
             snapshot.name,
             snapshot.leader,
-            GroupChannel(snapshot.leader, self.host),
+            GroupChannel(snapshot.leader, self.host, info.inbox_endpoint),
             info,
             snapshot.instance_id,
             gang=snapshot.gang or snapshot.name,

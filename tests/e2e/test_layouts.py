@@ -119,7 +119,7 @@ def run_layout(model: Path, tp: int, pp: int, executor: Executor = "ray") -> Lay
             group.name, group.info.kv_events_endpoint, group.info.kv_events_replay_endpoint, index, on_event
         )
         feed.start()
-        channel = GroupChannel(group.leader, host="127.0.0.1")
+        channel = GroupChannel(group.leader, "127.0.0.1", group.info.inbox_endpoint)
         outputs = []
         for i, request in enumerate(engine_requests(spec, group.info.max_model_len, group.info.block_size)):
             final = [output async for output in channel.stream(request, f"{group.name}-{i}")][-1]

@@ -109,7 +109,9 @@ class FakeGroup:
     def _up(self, instance: str) -> None:
         for member in self.members:
             member.leader = FakeLeader()
-            member.info = EngineInfo(64, BLOCK, 100, f"{member.name}-{instance}", startup_s=0.0)
+            member.info = EngineInfo(
+                64, BLOCK, 100, f"{member.name}-{instance}", startup_s=0.0, inbox_endpoint="tcp://127.0.0.1:9"
+            )
         self.phase = EnginePhase.READY
 
     async def start(self, timeout_s: float, on_progress: Any = None) -> None:
@@ -350,6 +352,7 @@ class Info:
     max_model_len: int = 4096
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    inbox_endpoint: str = "tcp://127.0.0.1:9"  # nobody listens: these tests route, they submit nothing
 
 
 def snapshot(name: str, state: GroupState, instance: str) -> GroupSnapshot:

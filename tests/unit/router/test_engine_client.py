@@ -131,10 +131,61 @@ def test_a_foreign_message_is_refused() -> None:
         decode_outputs(msgspec.msgpack.encode([{"key": 1, "outputs": "not a list"}]))
 
 
+async def test_a_request_crosses_the_inbox_intact_and_its_abort_follows_it(frontend) -> None:
+    """The real pair: the ingress's GroupChannel submits to a leader's RequestInbox, outputs come back."""
+    from types import SimpleNamespace
+
+    import msgspec
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from flotilla.cluster.output_channel import OutputChannel
+    from flotilla.cluster.request_inbox import RequestInbox
+    from flotilla.router.group_channel import GroupChannel
+
+    config, renderer = frontend
+    params = SamplingParams(max_tokens=4, temperature=0.5, stop=["x"], output_kind=RequestOutputKind.DELTA)
+    sent = InputProcessor(config, renderer).process_inputs("cmpl-1", PROMPT, params, supported_tasks=("generate",))
+    arrived: list[tuple[str, str, Any]] = []
+    channels: dict[str, OutputChannel] = {}
+
+    def submit(header: Any, request: Any) -> None:
+        arrived.append(("submit", header.key, request))
+        channel = channels.setdefault(header.channel_id, OutputChannel(header.channel_id, header.address))
+        item = output([8], False) if header.key == "k2" else output([8, 9], True)
+        channel.put(msgspec.structs.replace(item, key=header.key))
+
+    inbox = RequestInbox("127.0.0.1", submit, lambda key: arrived.append(("abort", key, None)))
+    never = SimpleNamespace(remote=lambda *args: asyncio.get_running_loop().create_future())  # a live leader
+    ingress = GroupChannel(SimpleNamespace(attach=never), "127.0.0.1", inbox.endpoint)
+    try:
+        finished = [item async for item in ingress.stream(sent, "k1")]
+        assert [item.generated_token_ids() for item in finished] == [[8, 9]]
+        kind, key, received = arrived[0]
+        assert (kind, key) == ("submit", "k1")
+        for attr in ("request_id", "prompt_token_ids", "arrival_time"):
+            assert getattr(received, attr) == getattr(sent, attr), attr
+        for attr in ("max_tokens", "temperature", "stop", "output_kind"):
+            assert getattr(received.sampling_params, attr) == getattr(sent.sampling_params, attr), attr
+
+        left_early = ingress.stream(sent, "k2")
+        await anext(left_early)
+        await left_early.aclose()  # the caller went away: the group is told to stop k2, after k2 itself
+        for _ in range(100):
+            if len(arrived) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert [(kind, key) for kind, key, _ in arrived[1:]] == [("submit", "k2"), ("abort", "k2")]
+    finally:
+        ingress.close()
+        inbox.close()
+        for channel in channels.values():
+            channel.close()
+
+
 # --- routing, failover and errors, over scripted groups -------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity, as the real GroupChannel
 class ScriptedChannel:
     """A group's channel that fails with ``error`` or yields ``outputs``."""
 
