@@ -235,11 +235,11 @@ class FlotillaOneIngress(Flotilla):
     extra_yaml = "ingress: {replicas: 1}\n"
 
 
-class FlotillaPinned(Flotilla):
-    """The default with ``cpu.bind_cores: true``: each group's workers pinned to cores of their own."""
+class FlotillaUnpinned(Flotilla):
+    """The default with ``cpu.bind_cores: false``: workers where the OS puts them, nothing fenced off."""
 
-    name = "flotilla-pinned"
-    cpu_extra = ", bind_cores: true"
+    name = "flotilla-unpinned"
+    cpu_extra = ", bind_cores: false"
 
 
 class FlotillaRay(Flotilla):
@@ -252,9 +252,9 @@ class FlotillaTwoGroups(Flotilla):
     groups = 2
 
 
-class FlotillaTwoGroupsPinned(FlotillaTwoGroups):
-    name = "flotilla-2g-pinned"
-    cpu_extra = ", bind_cores: true"
+class FlotillaTwoGroupsUnpinned(FlotillaTwoGroups):
+    name = "flotilla-2g-unpinned"
+    cpu_extra = ", bind_cores: false"
 
 
 class FlotillaWideEp(Flotilla):
@@ -293,11 +293,11 @@ TARGETS = {
         VllmRay,
         Flotilla,
         FlotillaOneIngress,
-        FlotillaPinned,
+        FlotillaUnpinned,
         FlotillaRay,
         VllmPair,
         FlotillaTwoGroups,
-        FlotillaTwoGroupsPinned,
+        FlotillaTwoGroupsUnpinned,
         VllmEpPair,
         FlotillaWideEp,
         FlotillaWideEpEplb,
@@ -307,10 +307,10 @@ WIDE_EP_TARGETS = ("vllm-ep2", "flotilla-ep", "flotilla-ep-eplb")
 PEERS = {
     "flotilla": ("vllm-uni", "vllm-ray"),
     "flotilla-1ingress": ("vllm-uni", "flotilla"),
-    "flotilla-pinned": ("vllm-uni", "flotilla"),
+    "flotilla-unpinned": ("vllm-uni", "flotilla"),
     "flotilla-ray": ("vllm-ray",),
     "flotilla-2g": ("vllm-2x",),
-    "flotilla-2g-pinned": ("vllm-2x", "flotilla-2g"),
+    "flotilla-2g-unpinned": ("vllm-2x", "flotilla-2g"),
     "flotilla-ep": ("flotilla-2g", "vllm-ep2"),
     "flotilla-ep-eplb": ("flotilla-ep",),
 }
@@ -339,6 +339,7 @@ def bench_serve(url: str, model_dir: Path, args: argparse.Namespace, prompts: in
 ENGINE_TIMES = {  # vLLM's own histograms, in whichever process runs the AsyncLLM (API server or group leader)
     "prefill_ms": "vllm:request_prefill_time_seconds",  # EngineCore: scheduled → first token
     "engine_ttft_ms": "vllm:time_to_first_token_seconds",  # AsyncLLM: request in → first token out
+    "decode_ms": "vllm:request_decode_time_seconds",  # EngineCore: first token → last (output_len - 1 steps)
 }
 
 
@@ -451,12 +452,12 @@ def markdown(
                     f"{a['cN_p99_itl_ms'] / b['cN_p99_itl_ms']:.2f}× (c{n}); TTFT p50 at concurrency 1 "
                     f"{a['c1_median_ttft_ms'] - b['c1_median_ttft_ms']:+.1f} ms."
                 )
-    lines += engine_lines(rows)
+    lines += engine_lines(rows, args.output_len)
     lines += eplb_lines(runs)
     return "\n".join(lines)
 
 
-def engine_lines(rows: dict[str, dict[str, float]]) -> list[str]:
+def engine_lines(rows: dict[str, dict[str, float]], output_len: int) -> list[str]:
     """Where TTFT goes at concurrency 1: vLLM's own timings of the engine, beside the client's TTFT."""
     timed = {name: r for name, r in rows.items() if all(f"c1_{key}" in r for key in ENGINE_TIMES)}
     if not timed:
@@ -465,15 +466,17 @@ def engine_lines(rows: dict[str, dict[str, float]]) -> list[str]:
         "",
         "Inside the engine at concurrency 1 (means of vLLM's own histograms over the same requests; behind a "
         "balancer, one server's): prefill = EngineCore, scheduled → first token; engine TTFT = the AsyncLLM "
-        "(vLLM's API server, or Flotilla's group leader), request in → first token out.",
+        "(vLLM's API server, or Flotilla's group leader), request in → first token out (Flotilla: from the ingress's "
+        "validation on); EngineCore step = its decode time per generated token, where TPOT is decided.",
         "",
-        "| target | prefill | engine TTFT | client TTFT p50 |",
-        "|---|---|---|---|",
+        "| target | prefill | engine TTFT | client TTFT p50 | EngineCore step (decode ÷ steps) | client TPOT |",
+        "|---|---|---|---|---|---|",
     ]
     for name, r in timed.items():
         lines.append(
             f"| {name} | {r['c1_prefill_ms']:.1f} ms | {r['c1_engine_ttft_ms']:.1f} ms "
-            f"| {r['c1_median_ttft_ms']:.1f} ms |"
+            f"| {r['c1_median_ttft_ms']:.1f} ms | {r['c1_decode_ms'] / max(output_len - 1, 1):.1f} ms "
+            f"| {r['c1_mean_tpot_ms']:.1f} ms |"
         )
     return lines
 

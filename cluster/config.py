@@ -62,11 +62,11 @@ class CpuEngineDefaults(_Strict):
         description="OpenMP threads per worker; default: the node's cores less one per worker, divided among them.",
     )
     bind_cores: bool = Field(
-        False,
+        True,
         description=(
             "Pin each worker's threads to cores that no other group on the machine holds, as vLLM's CPU executor "
-            "pins its own (groups on one node, executor mp; not wide-EP groups). Off by default: on a small "
-            "machine an unpinned worker can move away from the front end's processes (docs/benchmarks.md)."
+            "pins its own, and keep every other process of Ray's on the machine off those cores where any are left "
+            "(groups on one node, executor mp; not wide-EP groups). False: workers run where the OS puts them."
         ),
     )
 

@@ -1,11 +1,8 @@
-"""Cores of their own for the CPU workers of every group on a machine (``cpu.bind_cores``, off by default).
+"""Cores of their own for the CPU workers of every group on a machine (``cpu.bind_cores``, on by default).
 
 vLLM's CPU executor pins each worker's OpenMP threads to cores (``VLLM_CPU_OMP_THREADS_BIND``, default
 ``auto``), but it only sees its own ranks: two engines on one machine would pin to the same cores. So
-Flotilla runs its workers unpinned unless asked. Measured side by side on 2 cores (docs/benchmarks.md,
-``serve_overhead``), pinning one group's worker made it slower at concurrency 1: the worker can no longer
-move away from the front end's processes (leader, ingress, HAProxy) that land on its core. On a machine
-with cores to spare for those, pinning is what vLLM recommends for CPU serving; this makes it safe there.
+Flotilla claims distinct cores for every group's workers and hands them to vLLM as that variable.
 
 Each group's leader claims cores before it starts its engine: one exclusive ``flock`` per core, on a lock
 file every Flotilla process on the machine shares, held by the leader for its life and released by the

@@ -40,7 +40,7 @@ class EngineSpec:
     engine_args: dict[str, Any] = field(default_factory=dict)
     cpu_kv_cache_memory_bytes: int = 512 << 20
     cpu_threads_per_worker: int | None = None
-    cpu_bind_cores: bool = False
+    cpu_bind_cores: bool = True
     """Pin each worker's threads to cores no other group on the machine holds (``cpu_binding``; mp executor)."""
     kv_events: bool = True
     """Publish vLLM's KV-cache events (ZMQ) so routers can track this engine's cache exactly."""
