@@ -1,5 +1,6 @@
 """A ``flotilla serve`` killed with SIGKILL leaves nothing behind: every process it started ends
-(HAProxy included, though it is only the child of a Ray actor), and the next server starts on its port."""
+(HAProxy included, though it is only the child of a Ray actor), the cores its worker held are free,
+and the next server starts on its port and pins its worker to them again."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import psutil
 import pytest
 
 from devtools import wait_for
+from flotilla.cluster.cpu_binding import held_claims, machine_cores
 from tests.e2e.server import flotilla_serve
 
 pytestmark = pytest.mark.e2e
@@ -43,6 +45,34 @@ def alive(process: psutil.Process) -> bool:
         return False
 
 
+def thread_cores(process: psutil.Process) -> set[frozenset[int]]:
+    return {frozenset(os.sched_getaffinity(thread.id)) for thread in process.threads()}
+
+
+def pinned_and_fenced(server_pid: int) -> frozenset[int]:
+    """The server's worker runs on the cores its claim holds, and nothing else of its Ray does (where any core
+    is left for the rest: cpu.bind_cores, the default). Returns the claimed cores."""
+    claims = held_claims()
+    assert claims.cores and claims.workers and not claims.starting_leaders, claims
+    for pid in claims.workers:
+        assert all(cores <= claims.cores for cores in thread_cores(psutil.Process(pid))), pid
+    if machine_cores() - claims.cores:
+        raylets = [
+            p for p in psutil.Process(server_pid).children(recursive=True) if p.name() in ("raylet", "gcs_server")
+        ]
+        assert raylets
+        for root in raylets:
+            for process in [root, *root.children(recursive=True)]:
+                if process.pid in claims.workers or not alive(process):
+                    continue
+                try:
+                    overlap = [cores for cores in thread_cores(process) if cores & claims.cores]
+                except psutil.NoSuchProcess:
+                    continue
+                assert not overlap, f"{process.pid} {' '.join(process.cmdline())[:80]} runs on {overlap}"
+    return claims.cores
+
+
 def test_a_killed_server_leaves_no_process_and_frees_its_port(models_dir: Path, tmp_path: Path) -> None:
     config = tmp_path / "one-group.yaml"
     config.write_text(f"model: {models_dir / 'tiny-llama'}\nserved_model_name: tiny-llama\ngroups: 1\n")
@@ -51,12 +81,15 @@ def test_a_killed_server_leaves_no_process_and_frees_its_port(models_dir: Path, 
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
         started = psutil.Process(server.process.pid).children(recursive=True)
         assert any(p.name() == "haproxy" for p in started), "the default front proxy is not among its processes"
+        cores = pinned_and_fenced(server.process.pid)
         port = urlparse(server.url).port
         assert port is not None
         os.kill(server.process.pid, signal.SIGKILL)
         assert wait_for(lambda: port_free(port), 60), holders(port)
+        assert wait_for(lambda: not held_claims().cores, 60), held_claims()
         with flotilla_serve(str(config), port=port) as second:  # the next server on the same port starts
             assert httpx.post(f"{second.url}/v1/completions", json=body, timeout=60).status_code == 200
+            assert pinned_and_fenced(second.process.pid) == cores
             # Ray's node agents notice their raylet is gone at once, then try to report it to the dead GCS
             # for Ray's reconnect timeout (60 s) before they exit: waited for while the second one serves.
             assert wait_for(lambda: not any(alive(p) for p in started), 240), [

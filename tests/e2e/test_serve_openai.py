@@ -226,7 +226,7 @@ def test_client_disconnect_aborts_the_engine_request(server: Server, ray_driver)
         for line in response.iter_lines():
             if line.startswith("data: "):
                 break
-        assert unfinished() == 1
+        assert unfinished() == 1, line
     # 2000 tokens take well over 10 s here; the abort must free the engine long before that.
     assert wait_for(lambda: unfinished() == 0, timeout_s=5), "engine request still running after disconnect"
     text = server.metrics()
