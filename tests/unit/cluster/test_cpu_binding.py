@@ -3,7 +3,6 @@ keeps everything else off them."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -37,21 +36,21 @@ def test_a_claim_that_does_not_fit_holds_nothing(tmp_path: Path) -> None:
     assert whole is not None and whole.cores == [[0, 1], [2, 3]]
 
 
-def test_a_killed_holder_frees_its_cores(tmp_path: Path) -> None:
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time\n"
-            "from pathlib import Path\n"
-            "from flotilla.cluster.cpu_binding import claim_cores\n"
-            f"claim = claim_cores(1, 2, [0, 1], Path({str(tmp_path)!r}))\n"
-            "print(claim.omp_threads_bind(), flush=True)\n"
-            "time.sleep(600)\n",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
+def claim_holder(tmp_path: Path, threads: int, cores: list[int], then: str) -> subprocess.Popen[str]:
+    """Another process that claims ``cores`` for one rank of ``threads`` threads, runs ``then``, and holds on."""
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from flotilla.cluster.cpu_binding import claim_cores\n"
+        f"claim = claim_cores(1, {threads}, {cores!r}, Path({str(tmp_path)!r}))\n"
+        f"{then}"
+        "time.sleep(600)\n"
     )
+    return subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def test_a_killed_holder_frees_its_cores(tmp_path: Path) -> None:
+    holder = claim_holder(tmp_path, 2, [0, 1], "print(claim.omp_threads_bind(), flush=True)\n")
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "0,1"
         assert claim_cores(1, 1, [0, 1], tmp_path) is None
@@ -93,23 +92,14 @@ def masks(pid: int) -> set[frozenset[int]]:
 
 
 def test_a_held_claim_is_seen_from_any_process_and_a_dead_one_is_not(tmp_path: Path) -> None:
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time\n"
-            "from pathlib import Path\n"
-            "from flotilla.cluster.cpu_binding import claim_cores\n"
-            f"claim = claim_cores(1, 1, [0], Path({str(tmp_path)!r}))\n"
-            "print('claimed', flush=True)\n"
-            "sys.stdin.readline()\n"
-            "claim.record_workers([4242])\n"
-            "print('recorded', flush=True)\n"
-            "time.sleep(600)\n",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+    holder = claim_holder(
+        tmp_path,
+        1,
+        [0],
+        "print('claimed', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "claim.record_workers([4242])\n"
+        "print('recorded', flush=True)\n",
     )
     assert holder.stdin is not None and holder.stdout is not None
     try:
@@ -163,9 +153,7 @@ def test_a_starting_leader_and_its_processes_are_left_alone(tmp_path: Path, tree
     claim = claim_cores(1, 1, [min(everywhere)], tmp_path)
     assert claim is not None
     # ``leader`` holds the claim and has not recorded its workers yet (they may not have pinned themselves).
-    for lock in claim._locks:
-        os.ftruncate(lock.fileno(), 0)
-        os.pwrite(lock.fileno(), json.dumps({"leader": leader, "workers": []}).encode(), 0)
+    claim._write({"leader": leader, "workers": []})
     fence_claimed_cores(tmp_path, roots=[root])
     assert masks(leader) == {frozenset(everywhere)}
     assert masks(other) == {frozenset(everywhere - {min(everywhere)})}
