@@ -283,6 +283,7 @@ class FlotillaWideEpEplb(Flotilla):
             "experts_moved": series.get("flotilla_eplb_experts_moved_total", 0.0),
             "bytes_moved": series.get("flotilla_eplb_bytes_moved_total", 0.0),
             "balancedness": series.get("flotilla_eplb_balancedness_overall"),
+            "balancedness_steps": series.get("flotilla_eplb_window_samples", 0.0),
         }
 
 
@@ -490,12 +491,18 @@ def eplb_lines(runs: list[dict[str, Any]]) -> list[str]:
             continue
         rebalances, timed = int(eplb["rebalances"]), int(eplb["rearrange_timed"])
         per = max(rebalances, 1)
-        balance = "-" if eplb["balancedness"] is None else f"{eplb['balancedness']:.3f}"
+        steps = int(eplb.get("balancedness_steps", 0))
+        balance = (
+            "-"
+            if eplb["balancedness"] is None
+            else f"{eplb['balancedness']:.3f} "
+            + (f"over the last {steps} steps" if steps else "planned on the last recorded window")
+        )
         took = f"{eplb['rearrange_s_total'] / timed:.3f} s each" if timed else "duration not reported"
         lines.append(
             f"- {run['target']} EPLB in one run: {rebalances} rearrangements ({took}), "
             f"{eplb['experts_moved'] / per:.1f} experts / {eplb['bytes_moved'] / per / 1e6:.2f} MB across ranks "
-            f"per rearrangement, balancedness {balance} over the last window."
+            f"per rearrangement, balancedness {balance}."
         )
     return lines
 

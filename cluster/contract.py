@@ -433,6 +433,8 @@ class EplbStatus:
     logical_experts: int
     physical_slots: int
     window_ticks: int
+    """Samples the balancedness covers: the CPU EP runtime's ticks, or vLLM's engine steps recorded under the
+    current placement (0: the last recorded load spread over this placement, what vLLM's policy planned)."""
     balancedness: float | None
     """Mean over max per-rank load in the window, all layers (vLLM's definition); None before any load."""
     balancedness_per_layer: tuple[float, ...]
@@ -446,8 +448,8 @@ class EplbStatus:
     group: str = ""
     """The EP group: a wide-EP group of vLLM engines, or the CPU EP runtime's."""
     steps_since_rebalance: int | None = None
-    """vLLM's EPLB: engine steps since the last rearrangement (the window is all the current placement's
-    once this reaches ``window_ticks``)."""
+    """vLLM's EPLB: engine steps since the last rearrangement. vLLM records load only in the last window's
+    steps before the next one, so ``window_ticks`` (the steps ``balancedness`` covers) stays 0 until then."""
 
 
 @dataclass(frozen=True, slots=True)

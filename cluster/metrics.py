@@ -52,6 +52,11 @@ def eplb_metrics(groups: Iterable[EplbStatus]) -> Iterator[Metric]:
         "vLLM's EPLB: engine steps since the last rearrangement",
         labels=["group"],
     )
+    window = GaugeMetricFamily(
+        "flotilla_eplb_window_samples",
+        "Load samples the balancedness covers (vLLM: engine steps recorded under the current placement)",
+        labels=["group"],
+    )
     durations = HistogramMetricFamily(
         "flotilla_eplb_rebalance_duration_seconds", "Rebalance, plan to last layer swapped", labels=["group"]
     )
@@ -66,9 +71,10 @@ def eplb_metrics(groups: Iterable[EplbStatus]) -> Iterator[Metric]:
         moved.add_metric(group, eplb.experts_moved_total)
         moved_bytes.add_metric(group, eplb.bytes_moved_total)
         durations.add_metric(group, _buckets(eplb.rebalance_duration), eplb.rebalance_duration.total)
+        window.add_metric(group, eplb.window_ticks)
         if eplb.steps_since_rebalance is not None:
             steps.add_metric(group, eplb.steps_since_rebalance)
-    yield from (per_layer, overall, migrating, rebalances, moved, moved_bytes, steps, durations)
+    yield from (per_layer, overall, migrating, rebalances, moved, moved_bytes, steps, window, durations)
 
 
 def duration_histogram(name: str, documentation: str, histogram: DurationHistogram) -> HistogramMetricFamily:

@@ -35,9 +35,10 @@ class RankProbe:
         return os.getpid(), title
 
     def flotilla_eplb_snapshot(self) -> dict[str, Any] | None:
-        """vLLM's EPLB state on this rank (None without EPLB): the expert load this rank recorded over the
-        window, per layer and physical slot, which logical expert each slot holds, and one expert's weight
-        bytes in one layer."""
+        """vLLM's EPLB state on this rank (None without EPLB): the expert load this rank recorded under the
+        current placement (the newest entries of vLLM's window: ``steps_recorded_under_this_placement``), per
+        layer and physical slot, and over how many steps; which logical expert each slot holds; and one
+        expert's weight bytes in one layer."""
         state = getattr(getattr(self, "model_runner", None), "eplb_state", None)
         if state is None or not state.model_states:
             return None
@@ -45,13 +46,30 @@ class RankProbe:
         model = model_state.model
         first_layer = model.expert_weights[0] if model.expert_weights else []
         local_slots = max(model.num_local_physical_experts, 1)
+        window = model_state.expert_load_window
+        recorded = steps_recorded_under_this_placement(
+            int(state.expert_rearrangement_step), int(state.expert_rearrangement_step_interval), int(window.shape[0])
+        )
+        newest_first = [(int(state.expert_load_window_step) - 1 - i) % window.shape[0] for i in range(recorded)]
         return {
             "ranks": model.num_physical_experts // local_slots,
             "logical_experts": model.num_logical_experts,
-            "window_steps": int(model_state.expert_load_window.shape[0]),
+            "window_steps": recorded,
             "steps_since_rebalance": int(state.expert_rearrangement_step),
-            "load": model_state.expert_load_window.sum(dim=0).tolist(),
+            "load": window[newest_first].sum(dim=0).tolist(),
             "physical_to_logical": model_state.physical_to_logical_map.tolist(),
             "bytes_per_expert": sum(weights[0].numel() * weights.element_size() for weights in first_layer),
             "last_rearrange_s": getattr(state, LAST_REARRANGE_ATTRIBUTE, None),
         }
+
+
+def steps_recorded_under_this_placement(steps_since_rebalance: int, step_interval: int, window_size: int) -> int:
+    """How many of the newest entries of vLLM's EPLB load window were recorded since its last rearrangement.
+
+    vLLM fills its load window (a ring of ``window_size`` steps) only during the last ``window_size`` steps
+    before each rearrangement (``EplbState._should_record_current_step``, without ``log_balancedness``):
+    right after a rebalance the window still holds the previous placement's load, indexed by the previous
+    slot map, and read with the new map it would show the old balance as the new one. An idle DP rank's
+    dummy steps count as steps but record nothing, so on such a rank this can count a few stale entries.
+    """
+    return max(0, min(window_size, steps_since_rebalance - (step_interval - window_size)))

@@ -217,6 +217,12 @@ def _eplb_lines(eplb: EplbStatus) -> list[str]:
             ""
             if eplb.steps_since_rebalance is None
             else f", {eplb.steps_since_rebalance} steps since the last rebalance"
+            + (
+                " (planned: the last recorded load on this placement; vLLM records load only in the window"
+                " before each rearrangement)"
+                if not eplb.window_ticks and eplb.balancedness is not None
+                else ""
+            )
         )
         + (f" (worst layer {min(eplb.balancedness_per_layer):.3f})" if eplb.balancedness_per_layer else ""),
         f"  rebalances {eplb.rebalances} (plans skipped: {eplb.skipped_plans}), {eplb.experts_moved_total} experts / "

@@ -1,4 +1,5 @@
-"""A rank names itself even where setproctitle lost the process's argv (then it reports no title)."""
+"""A rank names itself even where setproctitle lost the process's argv (then it reports no title), and
+reports the EPLB load vLLM recorded under its current placement only."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import setproctitle
+import torch
 from vllm.distributed import parallel_state
 
 from flotilla.cluster.rank_probe import RankProbe
@@ -30,3 +32,34 @@ def test_without_a_title_the_rank_is_named_by_its_tp_and_pp_place(monkeypatch, t
 def test_vllms_title_wins_where_there_is_one(monkeypatch) -> None:
     monkeypatch.setattr(setproctitle, "getproctitle", lambda: "VLLM::Worker_TP1")
     assert RankProbe().flotilla_rank_process() == (os.getpid(), "VLLM::Worker_TP1")
+
+
+def eplb_rank(steps_since_rebalance: int, write_position: int) -> RankProbe:
+    """A rank whose vLLM EPLB window (8 steps, 1 layer, 2 slots; interval 32) holds step ``i`` as ``[i, 1]``."""
+    window = torch.tensor([[[i, 1]] for i in range(8)], dtype=torch.int32)
+    model = SimpleNamespace(
+        expert_weights=[], num_local_physical_experts=1, num_physical_experts=2, num_logical_experts=2
+    )
+    model_state = SimpleNamespace(
+        model=model, expert_load_window=window, physical_to_logical_map=torch.tensor([[0, 1]])
+    )
+    state = SimpleNamespace(
+        model_states={"model": model_state},
+        expert_rearrangement_step=steps_since_rebalance,
+        expert_rearrangement_step_interval=32,
+        expert_load_window_step=write_position,
+    )
+    probe = RankProbe()
+    probe.model_runner = SimpleNamespace(eplb_state=state)  # type: ignore[attr-defined]
+    return probe
+
+
+def test_the_eplb_load_covers_the_newest_window_entries_recorded_since_the_last_rearrangement() -> None:
+    # 27 steps into a 32-step interval with an 8-step window: steps 24, 25, 26 were recorded, at ring
+    # positions 6, 7, 0 (the next write goes to 1); the other 5 entries are the previous placement's
+    snapshot = eplb_rank(steps_since_rebalance=27, write_position=1).flotilla_eplb_snapshot()
+    assert snapshot is not None
+    assert snapshot["window_steps"] == 3 and snapshot["load"] == [[6 + 7 + 0, 3]]
+    just_rebalanced = eplb_rank(steps_since_rebalance=5, write_position=1).flotilla_eplb_snapshot()
+    assert just_rebalanced is not None
+    assert just_rebalanced["window_steps"] == 0 and just_rebalanced["load"] == [[0, 0]]

@@ -8,16 +8,17 @@ import pytest
 
 from flotilla.cluster.eplb.balance import balancedness
 from flotilla.cluster.eplb.vllm_group import EngineEplbState, VllmEplbWatch
+from flotilla.cluster.rank_probe import steps_recorded_under_this_placement
 
 BYTES_PER_EXPERT = 1000
 
 
-def snapshot(load: list[list[int]], placement: list[list[int]], took: float | None = None) -> dict:
+def snapshot(load: list[list[int]], placement: list[list[int]], took: float | None = None, recorded: int = 8) -> dict:
     """One rank's ``RankProbe.flotilla_eplb_snapshot``: 2 EP ranks, 4 experts in 6 slots (3 per rank)."""
     return {
         "ranks": 2,
         "logical_experts": 4,
-        "window_steps": 8,
+        "window_steps": recorded,
         "load": load,
         "physical_to_logical": placement,
         "bytes_per_expert": BYTES_PER_EXPERT,
@@ -75,3 +76,40 @@ def test_a_restarted_group_starting_from_vllms_initial_placement_is_not_a_rebala
     watch.update(rebalanced, generation=1)
     status = watch.update(fresh, generation=2)
     assert status.rebalances == 0 and status.balancedness is None, "no load yet: no balancedness to show"
+
+
+@pytest.mark.parametrize(
+    ("steps_since_rebalance", "recorded"),
+    [(0, 0), (95, 0), (96, 0), (97, 1), (127, 31), (128, 32), (140, 32)],  # 140: an async rearrangement still running
+)
+def test_only_the_steps_vllm_recorded_since_its_last_rearrangement_count(steps_since_rebalance, recorded) -> None:
+    # vLLM (interval 128, window 32) records the load of steps 96..127 of each interval only
+    assert steps_recorded_under_this_placement(steps_since_rebalance, 128, 32) == recorded
+
+
+def test_the_ranks_agree_on_the_fewest_recorded_steps_and_a_placement_not_yet_recorded_has_no_balancedness() -> None:
+    state = EngineEplbState.combine(
+        [snapshot([[0] * 6, [0] * 6], AFTER, recorded=0), snapshot([[1] * 6] * 2, AFTER, recorded=2)]
+    )
+    assert state is not None and state.window_steps == 0
+    status = VllmEplbWatch("group-0").update(state, generation=1)
+    assert status.window_ticks == 0 and status.balancedness is None and status.balancedness_per_layer == ()
+
+
+def test_between_vllms_recording_windows_balancedness_is_the_last_recorded_load_on_the_new_placement() -> None:
+    watch = VllmEplbWatch("group-0")
+    before = EngineEplbState.combine([snapshot([[12, 0, 0, 4, 0, 0], [2, 2, 2, 2, 2, 2]], BEFORE)])
+    # vLLM just rearranged (expert 0 and 3 on both ranks in layer 0): its window still holds the old
+    # placement's load, so the rank reports none
+    balanced = [[0, 1, 3, 0, 2, 3], BEFORE[1]]
+    rearranged = EngineEplbState.combine([snapshot([[0] * 6, [0] * 6], balanced, recorded=0)])
+    recorded = EngineEplbState.combine([snapshot([[5, 0, 2, 6, 0, 2], [2, 2, 2, 2, 2, 2]], balanced, recorded=2)])
+    assert before is not None and rearranged is not None and recorded is not None
+    first = watch.update(before, generation=1)
+    planned = watch.update(rearranged, generation=1)
+    assert planned.rebalances == 1 and planned.window_ticks == 0
+    assert planned.last_rebalance is not None
+    assert planned.balancedness == planned.last_rebalance.balancedness_planned == 1.0
+    assert first.balancedness == round((8 + 6) / (12 + 6), 4)
+    measured = watch.update(recorded, generation=1)  # layer 0: ranks carry 7 and 8
+    assert measured.window_ticks == 2 and measured.balancedness == round((7.5 + 6) / (8 + 6), 4)
