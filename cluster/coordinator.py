@@ -323,6 +323,10 @@ class Coordinator:
         try:
             health = await asyncio.wait_for(leader.health.remote(), self.recovery.health_timeout_s)
         except TimeoutError:
+            # A killed leader's pending call can outlast the timeout on a busy node before Ray fails it; its
+            # actor is then already dead in Ray's actor table, and that is a death, not a hang.
+            if await asyncio.to_thread(_actor_dead, leader):
+                return Failure(FailureKind.LEADER_DIED, "the leader's actor is dead (Ray's actor table)")
             return Failure(
                 FailureKind.HANG, f"the leader did not answer a health check within {self.recovery.health_timeout_s} s"
             )
@@ -536,6 +540,26 @@ def _was_restarted() -> bool:
 
 def _first_line(text: object) -> str:
     return str(text).strip().splitlines()[0] if str(text).strip() else ""
+
+
+def _actor_dead(handle: Any) -> bool:
+    """Whether Ray's actor table says the actor behind ``handle`` is dead (False when it cannot tell)."""
+    actor_id = getattr(handle, "_actor_id", None)
+    if actor_id is None:
+        return False
+    import ray
+    from ray.util.state import list_actors
+
+    try:
+        actors = list_actors(
+            address=ray.get_runtime_context().gcs_address,
+            filters=[("actor_id", "=", actor_id.hex())],
+            raise_on_missing_output=False,
+            timeout=5,
+        )
+    except Exception:
+        return False
+    return any(a.state == "DEAD" for a in actors)
 
 
 def _dead_workers(placement_group: Any) -> list[str]:

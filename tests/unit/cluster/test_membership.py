@@ -235,8 +235,10 @@ def test_a_wide_ep_group_is_one_gang_of_routable_dp_ranks(fake_groups: type[Fake
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("fault", ["no_progress", "frozen_leader", "engine_dead"])
-def test_hangs_and_dead_engines_are_detected(fake_groups: type[FakeGroup], fault: str) -> None:
+@pytest.mark.parametrize("fault", ["no_progress", "frozen_leader", "engine_dead", "killed_leader_slow_to_fail"])
+def test_hangs_and_dead_engines_are_detected(
+    fake_groups: type[FakeGroup], fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async def scenario() -> None:
         coordinator = make_coordinator()
         await coordinator.start()
@@ -246,10 +248,18 @@ def test_hangs_and_dead_engines_are_detected(fake_groups: type[FakeGroup], fault
             leader.health_result = LeaderHealth(True, None, unfinished_requests=3, seconds_since_progress=1.0)
         elif fault == "frozen_leader":
             leader.frozen = True
+        elif fault == "killed_leader_slow_to_fail":  # its health call hangs, but Ray's actor table says dead
+            leader.frozen = True
+            monkeypatch.setattr(coordinator_module, "_actor_dead", lambda handle: handle is leader)
         else:
             leader.health_result = LeaderHealth(False, "EngineDeadError: worker died", 0, 0.0)
         back = await until(coordinator, lambda m: (m.group("g1").generation == 2) and len(m.ready()) == 2)
-        expected = {"no_progress": "hang", "frozen_leader": "hang", "engine_dead": "engine_dead"}[fault]
+        expected = {
+            "no_progress": "hang",
+            "frozen_leader": "hang",
+            "engine_dead": "engine_dead",
+            "killed_leader_slow_to_fail": "leader_died",
+        }[fault]
         assert back.group("g1").restarts == {expected: 1}
         await coordinator.shutdown()
 
