@@ -545,34 +545,26 @@ def _first_line(text: object) -> str:
 def _actor_dead(handle: Any) -> bool:
     """Whether Ray's actor table says the actor behind ``handle`` is dead (False when it cannot tell)."""
     actor_id = getattr(handle, "_actor_id", None)
-    if actor_id is None:
-        return False
-    import ray
-    from ray.util.state import list_actors
-
-    try:
-        actors = list_actors(
-            address=ray.get_runtime_context().gcs_address,
-            filters=[("actor_id", "=", actor_id.hex())],
-            raise_on_missing_output=False,
-            timeout=5,
-        )
-    except Exception:
-        return False
-    return any(a.state == "DEAD" for a in actors)
+    return actor_id is not None and bool(_dead_actors(("actor_id", "=", actor_id.hex())))
 
 
 def _dead_workers(placement_group: Any) -> list[str]:
     """Names of actors in the group's placement group that Ray reports dead (state API; empty without it)."""
     if placement_group is None:
         return []
+    return _dead_actors(("placement_group_id", "=", placement_group.id.hex()))
+
+
+def _dead_actors(state_filter: tuple[str, str, str]) -> list[str]:
+    """Names (or ids) of the actors matching ``state_filter`` that Ray's state API lists as dead; empty when
+    it cannot answer."""
     import ray
     from ray.util.state import list_actors
 
     try:
         actors = list_actors(
             address=ray.get_runtime_context().gcs_address,  # "auto" is ambiguous when a machine runs two clusters
-            filters=[("placement_group_id", "=", placement_group.id.hex())],
+            filters=[state_filter],
             limit=1000,
             raise_on_missing_output=False,
             timeout=5,
