@@ -14,14 +14,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import psutil
 import ray
 from ray import serve
+from ray.serve.schema import ApplicationStatus
 
 from flotilla.cluster.config import ConfigError
-from flotilla.cluster.contract import EngineInfo, GroupState, Membership
+from flotilla.cluster.contract import GroupState, Membership
 from flotilla.cluster.engine import EngineSpec, Executor, default_worker_threads, unknown_engine_args
 from flotilla.cluster.layout import LayoutViolation, check_capacity, check_layout
 from flotilla.cluster.local_ray import LocalCluster, LocalClusterShape
@@ -199,10 +200,14 @@ async def start(config: ServeConfig, say: Say, verbose: bool = False) -> Deploym
         independent = config.groups_to_serve < config.groups
         if independent:  # a group that cannot start yet is retried, not fatal
             await deployment.coordinator.serving_started.remote()
+        await deployment.coordinator.start.remote()
+        # The ingress replicas load vLLM's frontend while the groups load their engines; each then waits for
+        # the first ready group (it takes max_model_len and the block size from it).
+        _begin_ingress(deployment)
         membership = await _wait_for_groups(deployment.coordinator, say, config.groups_to_serve)
         if not independent:
             await deployment.coordinator.serving_started.remote()
-        _deploy_ingress(deployment, membership)
+        await _wait_for_ingress(deployment)
         if (port := config.replica_metrics_port) is not None:
             last = port + config.ingress.replicas - 1
             say(
@@ -324,16 +329,14 @@ async def _wait_for_groups(coordinator: Any, say: Say, needed: int) -> Membershi
         await asyncio.sleep(PROGRESS_POLL_S)
 
 
-def _deploy_ingress(deployment: Deployment, membership: Membership) -> None:
+def _begin_ingress(deployment: Deployment) -> None:
+    """Deploy the ingress without waiting for its replicas (``_wait_for_ingress`` does)."""
     from flotilla.router.ingress import OpenAIIngress
     from flotilla.router.settings import IngressSettings
 
     config = deployment.config
-    infos = [cast(EngineInfo, g.info) for g in membership.ready()]
     settings = IngressSettings(
         engine=_engine_spec(config, deployment.cluster),
-        max_model_len=min(info.max_model_len for info in infos),
-        block_size=infos[0].block_size,
         routing=config.routing,
         failover=config.failover,
         admin_token=os.environ.get(config.admin_token_env) or None,
@@ -356,8 +359,20 @@ def _deploy_ingress(deployment: Deployment, membership: Membership) -> None:
     ingress = OpenAIIngress.options(  # type: ignore[attr-defined]
         num_replicas=config.ingress.replicas, ray_actor_options=actor_options
     )
-    serve.run(ingress.bind(settings), name=SERVE_APP_NAME, route_prefix="/")
-    _wait_until_reachable(f"{deployment.url}/health", INGRESS_REACHABLE_TIMEOUT_S)
+    target = serve.RunTarget(target=ingress.bind(settings), name=SERVE_APP_NAME, route_prefix="/")
+    serve.run_many([target], wait_for_applications_running=False)
+
+
+async def _wait_for_ingress(deployment: Deployment) -> None:
+    """The ingress app running (its replicas built vLLM's frontend over the ready groups) and reachable."""
+    while True:
+        app = (await asyncio.to_thread(serve.status)).applications.get(SERVE_APP_NAME)
+        if app is not None and app.status == ApplicationStatus.RUNNING:
+            break
+        if app is not None and app.status in (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY):
+            raise RuntimeError(f"the ingress did not start: {app.message}")
+        await asyncio.sleep(PROGRESS_POLL_S)
+    await asyncio.to_thread(_wait_until_reachable, f"{deployment.url}/health", INGRESS_REACHABLE_TIMEOUT_S)
 
 
 def _wait_until_reachable(url: str, timeout_s: float) -> None:

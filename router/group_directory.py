@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -62,6 +63,7 @@ class GroupDirectory:
         self.coordinator = coordinator
         self.host = host
         self.index = PrefixIndex()
+        assert settings.block_size is not None, "connect() takes the block size from the groups"
         self.router = Router(make_policy(self.routing.policy, self.routing.params), settings.block_size, self.index)
         self.routing_choice: RoutingChoice | None = None
         """The operator's run-time policy this replica routes by (None: the config's)."""
@@ -73,9 +75,15 @@ class GroupDirectory:
 
     @classmethod
     async def connect(cls, settings: IngressSettings) -> GroupDirectory:
-        """Find the coordinator by name and take its current membership."""
+        """Find the coordinator by name and take its current membership (waiting for a ready group when the
+        settings leave the engines' shape to the groups: ``with_engine_shape``)."""
         coordinator = ray.get_actor(COORDINATOR_NAME, namespace=settings.namespace)
+
+        async def next_membership(known: Membership) -> Membership:
+            return cast(Membership, await coordinator.watch.remote(known.version, known.coordinator_started_at))
+
         membership = cast(Membership, await coordinator.get_membership.remote())
+        settings, membership = await with_engine_shape(settings, membership, next_membership)
         return cls(settings, coordinator, membership, ray.util.get_node_ip_address())
 
     # --- membership --------------------------------------------------------------------------------
@@ -109,6 +117,15 @@ class GroupDirectory:
                 snapshot.name,
                 info.block_size,
                 self.router.block_size,
+            )
+            return
+        if self.settings.max_model_len is not None and info.max_model_len < self.settings.max_model_len:
+            # The ingress validates prompt lengths for every group: a shorter engine would get prompts it refuses.
+            logger.error(
+                "group %s has max_model_len %s, less than the %s this ingress validates by; not routing to it",
+                snapshot.name,
+                info.max_model_len,
+                self.settings.max_model_len,
             )
             return
         if previous is not None:
@@ -240,3 +257,26 @@ class GroupDirectory:
             logger.warning("no KV events from %s; routing it on approximate knowledge", member.name)
             self.index.set_precise(member.name, False)
             member.events_due_by = None
+
+
+async def with_engine_shape(
+    settings: IngressSettings,
+    membership: Membership,
+    next_membership: Callable[[Membership], Awaitable[Membership]],
+) -> tuple[IngressSettings, Membership]:
+    """``settings`` with the max_model_len and block size they leave open taken from the first ready group,
+    following membership until one is ready; and the membership it was taken from.
+
+    ``flotilla serve`` leaves them open so that its ingress replicas load vLLM's frontend while the groups load
+    their engines: the shape is the engines' (vLLM sets the block size per platform and attention backend).
+    """
+    while not settings.knows_engine_shape and not membership.ready():
+        membership = await next_membership(membership)
+    if settings.knows_engine_shape:
+        return settings, membership
+    info = cast(EngineInfo, membership.ready()[0].info)
+    shape = {
+        "max_model_len": settings.max_model_len or info.max_model_len,
+        "block_size": settings.block_size or info.block_size,
+    }
+    return settings.model_copy(update=shape), membership

@@ -147,8 +147,8 @@ class OpenAIIngress:
     async def __init__(self, settings: IngressSettings) -> None:  # type: ignore[misc]  # Serve awaits it
         from vllm.renderers import renderer_from_config
 
-        self.settings = settings
-        self.directory = await GroupDirectory.connect(settings)
+        self.directory = await GroupDirectory.connect(settings)  # may wait for the first group to be ready
+        self.settings = settings = self.directory.settings
         replica = serve.get_replica_context()
         self.stats = IngressMetrics(membership=lambda: self.directory.membership, replica=replica.replica_id.unique_id)
         self._replica_metrics: asyncio.Task[None] | None = None

@@ -172,8 +172,16 @@ class IngressSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     engine: EngineSpec = Field(..., description="The groups' engine: the ingress renders and validates as it would.")
-    max_model_len: int
-    block_size: int = Field(..., description="KV block size of every group's engine (the router hashes by it).")
+    max_model_len: int | None = Field(
+        None,
+        description=(
+            "The groups' max_model_len; None: the first ready group's (the replica waits for one, so it can start "
+            "while the groups load)."
+        ),
+    )
+    block_size: int | None = Field(
+        None, description="KV block size of every group's engine (the router hashes by it); None: as max_model_len."
+    )
     routing: RoutingConfig = RoutingConfig()
     failover: FailoverConfig = FailoverConfig()
     namespace: str = Field(DEFAULT_NAMESPACE, description="Ray namespace of the coordinator and the group leaders.")
@@ -187,6 +195,10 @@ class IngressSettings(BaseModel):
     @property
     def model_name(self) -> str:
         return self.engine.served_model_name
+
+    @property
+    def knows_engine_shape(self) -> bool:
+        return self.max_model_len is not None and self.block_size is not None
 
     @property
     def model_path(self) -> str:

@@ -23,7 +23,7 @@ from flotilla.cluster.coordinator import Coordinator, UnknownGroup
 from flotilla.cluster.engine import EngineSpec
 from flotilla.cluster.group import Member, member_names
 from flotilla.cluster.lifecycle import RecoveryConfig, RestartBudget
-from flotilla.router.group_directory import GroupDirectory
+from flotilla.router.group_directory import GroupDirectory, with_engine_shape
 from flotilla.router.routing import NoRoutableGroup
 from flotilla.router.settings import IngressSettings, RoutingConfig
 
@@ -407,6 +407,44 @@ def test_directory_routes_exactly_the_ready_groups() -> None:
     assert sorted(directory.router.group_names) == ["g", "h"]
 
 
+def shapeless_settings(**shape: int) -> IngressSettings:
+    return IngressSettings(
+        engine=EngineSpec(model="/m", served_model_name="m", tensor_parallel_size=1, pipeline_parallel_size=1),
+        routing=RoutingConfig(kv_events=False),
+        **shape,
+    )
+
+
+def test_an_ingress_without_the_engines_shape_waits_for_a_ready_group_and_takes_its_shape() -> None:
+    """flotilla serve starts its ingress while the groups load: the replica follows membership until a group is
+    ready, then validates and hashes by that engine's max_model_len and block size."""
+    starting = membership(1, g=(GroupState.STARTING, ""), h=(GroupState.STARTING, ""))
+    ready = membership(3, g=(GroupState.STARTING, ""), h=(GroupState.READY, "e1"))
+    ready.groups[1] = replace(ready.groups[1], info=Info(block_size=32, max_model_len=1024))
+    later = iter([membership(2, g=(GroupState.STARTING, ""), h=(GroupState.STARTING, "")), ready])
+    asked: list[int] = []
+
+    async def next_membership(known: Membership) -> Membership:
+        asked.append(known.version)
+        return next(later)
+
+    settings, taken = asyncio.run(with_engine_shape(shapeless_settings(), starting, next_membership))
+    assert asked == [1, 2]
+    assert (settings.max_model_len, settings.block_size, taken.version) == (1024, 32, 3)
+    assert GroupDirectory(settings, None, taken, "127.0.0.1").router.group_names == ["h"]
+
+    given = shapeless_settings(max_model_len=4096, block_size=BLOCK)
+    assert asyncio.run(with_engine_shape(given, starting, next_membership)) == (given, starting)  # no wait
+    assert asked == [1, 2]
+
+
+def test_a_group_shorter_than_the_ingress_validates_for_is_not_routed() -> None:
+    both = membership(1, g=(GroupState.READY, "e1"), h=(GroupState.READY, "e1"))
+    both.groups[1] = replace(both.groups[1], info=Info(max_model_len=2048))
+    directory = GroupDirectory(shapeless_settings(max_model_len=4096, block_size=BLOCK), None, both, "127.0.0.1")
+    assert directory.router.group_names == ["g"]
+
+
 def test_an_operator_routing_choice_reaches_every_directory_through_membership(fake_groups: type[FakeGroup]) -> None:
     """PUT /admin/routing goes to the coordinator; every ingress replica (directory), and one created later,
     routes by it from the next snapshot; a replica keeps its policy when a snapshot carries none."""
@@ -415,12 +453,7 @@ def test_an_operator_routing_choice_reaches_every_directory_through_membership(f
         coordinator = make_coordinator()
         await coordinator.start()
         ready = await until(coordinator, lambda m: len(m.ready()) == 2)
-        settings = IngressSettings(
-            engine=EngineSpec(model="/m", served_model_name="m", tensor_parallel_size=1, pipeline_parallel_size=1),
-            max_model_len=4096,
-            block_size=BLOCK,
-            routing=RoutingConfig(kv_events=False),
-        )
+        settings = shapeless_settings(max_model_len=64, block_size=BLOCK)  # the fake engines' shape
         replicas = [GroupDirectory(settings, coordinator, ready, "127.0.0.1") for _ in range(2)]
         assert {r.router.policy.name for r in replicas} == {"cache_aware"}
 
