@@ -235,7 +235,9 @@ def test_a_wide_ep_group_is_one_gang_of_routable_dp_ranks(fake_groups: type[Fake
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("fault", ["no_progress", "frozen_leader", "engine_dead", "killed_leader_slow_to_fail"])
+@pytest.mark.parametrize(
+    "fault", ["no_progress", "frozen_leader", "engine_dead", "killed_leader_slow_to_fail", "killed_leader_listed_late"]
+)
 def test_hangs_and_dead_engines_are_detected(
     fake_groups: type[FakeGroup], fault: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -251,6 +253,12 @@ def test_hangs_and_dead_engines_are_detected(
         elif fault == "killed_leader_slow_to_fail":  # its health call hangs, but Ray's actor table says dead
             leader.frozen = True
             monkeypatch.setattr(coordinator_module, "_actor_dead", lambda handle: handle is leader)
+        elif fault == "killed_leader_listed_late":  # ... and Ray lists it dead only at the third look
+            leader.frozen = True
+            looks: list[Any] = []
+            monkeypatch.setattr(
+                coordinator_module, "_actor_dead", lambda handle: handle is leader and len(looks.append(0) or looks) > 2
+            )
         else:
             leader.health_result = LeaderHealth(False, "EngineDeadError: worker died", 0, 0.0)
         back = await until(coordinator, lambda m: (m.group("g1").generation == 2) and len(m.ready()) == 2)
@@ -259,6 +267,7 @@ def test_hangs_and_dead_engines_are_detected(
             "frozen_leader": "hang",
             "engine_dead": "engine_dead",
             "killed_leader_slow_to_fail": "leader_died",
+            "killed_leader_listed_late": "leader_died",
         }[fault]
         assert back.group("g1").restarts == {expected: 1}
         await coordinator.shutdown()
