@@ -304,8 +304,8 @@ def _start_coordinator(config: ServeConfig, cluster: LocalCluster | None) -> Any
 
 
 async def _wait_for_groups(coordinator: Any, say: Say, needed: int) -> Membership:
-    """Print each group's progress until ``needed`` groups are ready; raise when too many cannot start."""
-    await coordinator.start.remote()
+    """Print each group's progress (once ``coordinator.start`` started them) until ``needed`` groups are ready;
+    raise when too many cannot start."""
     started = last_heartbeat = time.monotonic()
     said: dict[str, int] = {}  # per group: the number of the last detail printed
     while True:

@@ -111,22 +111,8 @@ class GroupDirectory:
     def _admit(self, snapshot: GroupSnapshot, previous: Member | None) -> None:
         info = snapshot.info
         assert info is not None
-        if info.block_size != self.router.block_size:
-            logger.error(
-                "group %s has KV block size %s, not %s; not routing to it",
-                snapshot.name,
-                info.block_size,
-                self.router.block_size,
-            )
-            return
-        if self.settings.max_model_len is not None and info.max_model_len < self.settings.max_model_len:
-            # The ingress validates prompt lengths for every group: a shorter engine would get prompts it refuses.
-            logger.error(
-                "group %s has max_model_len %s, less than the %s this ingress validates by; not routing to it",
-                snapshot.name,
-                info.max_model_len,
-                self.settings.max_model_len,
-            )
+        if (mismatch := self._shape_mismatch(info)) is not None:
+            logger.error("group %s has %s; not routing to it", snapshot.name, mismatch)
             return
         if previous is not None:
             self._retire(previous)
@@ -143,6 +129,16 @@ class GroupDirectory:
         self.router.add_group(member.name, info.num_kv_blocks)
         if self._started:
             self._start_feed(member)
+
+    def _shape_mismatch(self, info: EngineInfo) -> str | None:
+        """What in a group's engine shape this replica cannot route by, if anything."""
+        if info.block_size != self.router.block_size:
+            return f"KV block size {info.block_size}, not {self.router.block_size}"
+        limit = self.settings.max_model_len
+        if limit is not None and info.max_model_len < limit:
+            # The ingress validates prompt lengths for every group: a shorter engine would get prompts it refuses.
+            return f"max_model_len {info.max_model_len}, less than the {limit} this ingress validates by"
+        return None
 
     def _retire(self, member: Member) -> None:
         if member.feed is not None:
