@@ -207,7 +207,8 @@ class GroupLeader:
         try:
             await channel.closed()
         finally:
-            self._channels.pop(channel_id, None)
+            if self._channels.get(channel_id) is channel:  # not a newer channel of the same id
+                del self._channels[channel_id]
             channel.close()
 
     def abort(self, key: str) -> None:
@@ -217,9 +218,12 @@ class GroupLeader:
                 task.cancel()  # AsyncLLM.generate aborts the engine request when cancelled
 
     def _channel(self, channel_id: str, address: str) -> OutputChannel:
-        if channel_id not in self._channels:
-            self._channels[channel_id] = OutputChannel(channel_id, address)
-        return self._channels[channel_id]
+        channel = self._channels.get(channel_id)
+        if channel is None or channel.stopped:  # a stopped one would drop this request's outputs
+            if channel is not None:
+                channel.close()
+            channel = self._channels[channel_id] = OutputChannel(channel_id, address)
+        return channel
 
     async def _run(self, channel: OutputChannel, key: str, request: Any) -> None:
         """Stream one request's outputs to its channel; every way it can end sends the ingress a last item."""

@@ -7,7 +7,8 @@ ever waits to fill a batch.
 The channel also notices its ingress dying: a killed process cannot cancel its calls, so its
 requests would run to the end for nobody. ZeroMQ's socket monitor reports the ingress's end of
 the TCP connection going away; if it does not come back within ``PEER_GRACE_S`` the channel
-stops, and the leader aborts its requests.
+stops and aborts its requests itself (the leader's ``attach`` call for it may never have arrived:
+the ingress can die between its first submission and that call).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class OutputChannel:
         self._socket.connect(address)
         self._sender = asyncio.create_task(self._send_forever())
         self._watcher = asyncio.create_task(self._watch_peer())
+        self._closed = False
+
+    @property
+    def stopped(self) -> bool:
+        """It sends nothing more: the ingress went away or stopped reading (the leader opens a new one)."""
+        return self._closed or self._sender.done()
 
     def put(self, output: WireOutput) -> None:
         self._outbox.put_nowait(output)
@@ -52,6 +59,9 @@ class OutputChannel:
         await asyncio.shield(self._sender)
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._sender.cancel()
         self._watcher.cancel()
         for task in self.requests.values():
@@ -72,7 +82,7 @@ class OutputChannel:
                     PEER_GRACE_S,
                     len(self.requests),
                 )
-                self._sender.cancel()
+                self.close()
                 return
             connected = parse_monitor_message(frames)["event"] == zmq.EVENT_CONNECTED
 
@@ -85,6 +95,7 @@ class OutputChannel:
                 await self._socket.send(_encode(batch), flags=zmq.NOBLOCK)
             except zmq.Again:
                 logger.warning("ingress channel %s is not reading; dropping it", self.channel_id)
+                self.close()
                 return
 
 

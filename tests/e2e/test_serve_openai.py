@@ -223,10 +223,12 @@ def test_client_disconnect_aborts_the_engine_request(server: Server, ray_driver)
     assert unfinished() == 0
     body = {"model": MODEL, "prompt": "a long story", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                break
+        # Held in a name: a bare `for line in response.iter_lines(): break` drops the iterator, and httpcore
+        # closes the connection as it is collected, which disconnects before the count below is read.
+        lines = response.iter_lines()
+        line = next(line for line in lines if line.startswith("data: "))
         assert unfinished() == 1, line
+        lines.close()  # the client goes away here
     # 2000 tokens take well over 10 s here; the abort must free the engine long before that.
     assert wait_for(lambda: unfinished() == 0, timeout_s=5), "engine request still running after disconnect"
     text = server.metrics()
