@@ -89,7 +89,9 @@ class ServeConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     cluster: ClusterConfig = ClusterConfig()
-    startup_timeout_s: float = Field(900.0, gt=0, description="Give up if a group is not ready by then.")
+    startup_timeout_s: float = Field(
+        900.0, gt=0, description="Give up if a group is not ready by then, or the ingress that long after the groups."
+    )
     min_ready_groups: int | None = Field(
         None,
         ge=1,

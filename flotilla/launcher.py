@@ -207,7 +207,7 @@ async def start(config: ServeConfig, say: Say, verbose: bool = False) -> Deploym
         membership = await _wait_for_groups(deployment.coordinator, say, config.groups_to_serve)
         if not independent:
             await deployment.coordinator.serving_started.remote()
-        await _wait_for_ingress(deployment)
+        await _wait_for_ingress(deployment, say)
         if (port := config.replica_metrics_port) is not None:
             last = port + config.ingress.replicas - 1
             say(
@@ -363,16 +363,44 @@ def _begin_ingress(deployment: Deployment) -> None:
     serve.run_many([target], wait_for_applications_running=False)
 
 
-async def _wait_for_ingress(deployment: Deployment) -> None:
-    """The ingress app running (its replicas built vLLM's frontend over the ready groups) and reachable."""
+async def _wait_for_ingress(deployment: Deployment, say: Say) -> None:
+    """The ingress app running (its replicas built vLLM's frontend over the ready groups) and reachable.
+
+    Bounded by ``startup_timeout_s`` from here (the groups are ready by now): a replica that hangs in its
+    constructor leaves Serve's app DEPLOYING forever, and ``flotilla serve`` must say so, not wait with it.
+    """
+    timeout_s = deployment.config.startup_timeout_s
+    started = last_heartbeat = time.monotonic()
     while True:
         app = (await asyncio.to_thread(serve.status)).applications.get(SERVE_APP_NAME)
         if app is not None and app.status == ApplicationStatus.RUNNING:
             break
         if app is not None and app.status in (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY):
             raise RuntimeError(f"the ingress did not start: {app.message}")
+        waited = time.monotonic() - started
+        if waited > timeout_s:
+            raise RuntimeError(
+                f"the ingress was not running {timeout_s:.0f} s after the groups were ready "
+                f"({_replica_progress(app)}); raise startup_timeout_s if its replicas are only slow"
+            )
+        if time.monotonic() - last_heartbeat >= HEARTBEAT_S:
+            say(f"[ingress] {_replica_progress(app)} ({waited:.0f} s)")
+            last_heartbeat = time.monotonic()
         await asyncio.sleep(PROGRESS_POLL_S)
     await asyncio.to_thread(_wait_until_reachable, f"{deployment.url}/health", INGRESS_REACHABLE_TIMEOUT_S)
+
+
+def _replica_progress(app: Any) -> str:
+    """Serve's replica states of the ingress, e.g. ``replicas: 1 RUNNING, 1 STARTING``."""
+    if app is None:
+        return "its app is not deployed yet"
+    states: dict[str, int] = {}
+    for status in app.deployments.values():
+        for state, count in status.replica_states.items():
+            name = str(getattr(state, "value", state))
+            states[name] = states.get(name, 0) + count
+    listed = ", ".join(f"{count} {state}" for state, count in sorted(states.items()))
+    return f"replicas: {listed or 'none yet'}" + (f"; {app.message}" if app.message else "")
 
 
 def _wait_until_reachable(url: str, timeout_s: float) -> None:
