@@ -42,6 +42,8 @@ class Decision:
     uncached_tokens: int
     decision_s: float
     row: int
+    head: int | None = None
+    """The prompt's first block (hashed), while its prefill is counted in ``Router._prefilling``."""
     first_token_seen: bool = False
 
 
@@ -73,6 +75,7 @@ class Router:
         self._capacity = np.zeros(INITIAL_ROWS, dtype=np.int64)
         self._slot = np.zeros(INITIAL_ROWS, dtype=np.int64)  # the group's column in index.held
         self._live_rows = np.zeros(0, dtype=np.int64)
+        self._prefilling: dict[int, dict[int, int]] = {}  # first block → row → requests not yet prefilled
 
     # --- membership --------------------------------------------------------------------------
     @property
@@ -143,6 +146,12 @@ class Router:
             if position < len(rows) and rows[position] == self._rows[name]:
                 matched[position] = depth
                 best = max(best, depth)
+        head = self._head(prompt_token_ids)
+        prefilling = np.zeros(len(rows), dtype=np.int64)
+        for prefilling_row, count in self._prefilling.get(head, {}).items() if head is not None else ():
+            position = np.searchsorted(rows, prefilling_row)
+            if position < len(rows) and rows[position] == prefilling_row:
+                prefilling[position] = count
         pick = slice(0, len(rows)) if rows[-1] == len(rows) - 1 else rows  # all live: views, no copies
         candidates = Candidates(
             in_flight=self._in_flight[pick],
@@ -152,6 +161,7 @@ class Router:
             kv_usage=self._kv_usage[pick],
             matched_blocks=matched,
             free_blocks=self._capacity[pick] - self.index.held[self._slot[pick]],
+            prefilling=prefilling,
         )
         choice = self.policy.choose(request, candidates)
         row = int(rows[choice])
@@ -160,15 +170,17 @@ class Router:
         uncached = max(0, request.prompt_tokens - chosen_matched * self.block_size)
         self._in_flight[row] += 1
         self._pending[row] += uncached
+        if head is not None:
+            heads = self._prefilling.setdefault(head, {})
+            heads[row] = heads.get(row, 0) + 1
         self.policy.on_routed(request, name)
-        return Decision(request, name, chosen_matched, best, uncached, self._clock() - started, row)
+        return Decision(request, name, chosen_matched, best, uncached, self._clock() - started, row, head)
 
     def first_token(self, decision: Decision) -> None:
         """The prompt is prefilled: the group now caches its full blocks (which also renews them in its LRU)."""
         if decision.first_token_seen:
             return
-        decision.first_token_seen = True
-        self._pending[decision.row] -= decision.uncached_tokens
+        self._prefilled(decision)
         request = decision.request
         request.block_keys = self._keyer.keys(request.prompt_token_ids)
         if self._live[decision.row] and self.index.has_group(decision.group):
@@ -182,10 +194,26 @@ class Router:
                 decision.group, full[len(decision.request.prompt_token_ids) // self.block_size :]
             )
         if not decision.first_token_seen:  # failed or aborted before its prefill finished
-            decision.first_token_seen = True
-            self._pending[decision.row] -= decision.uncached_tokens
+            self._prefilled(decision)
         self._in_flight[decision.row] -= 1
         self.policy.on_finished(decision.request, decision.group)
+
+    def _prefilled(self, decision: Decision) -> None:
+        decision.first_token_seen = True
+        self._pending[decision.row] -= decision.uncached_tokens
+        if decision.head is not None:
+            heads = self._prefilling[decision.head]
+            heads[decision.row] -= 1
+            if not heads[decision.row]:
+                del heads[decision.row]
+                if not heads:
+                    del self._prefilling[decision.head]
+
+    def _head(self, prompt_token_ids: list[int]) -> int | None:
+        """The first full block of the prompt, hashed (None for a prompt shorter than a block)."""
+        if len(prompt_token_ids) < self.block_size:
+            return None
+        return hash(tuple(prompt_token_ids[: self.block_size]))
 
     def _grow(self) -> None:
         size = 2 * len(self._live)

@@ -47,6 +47,9 @@ class Candidates:
     free_blocks: np.ndarray
     """KV blocks each group's cache holds nothing in, as its index knows it (capacity − cached blocks): what
     a prefix computed there fills before it evicts cached ones."""
+    prefilling: np.ndarray
+    """This router's requests on each group that begin with this request's first block and have no first token
+    yet: that group is computing the prefix now, and its index learns of it only once the prefill is done."""
 
     @property
     def outstanding(self) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Cache-aware: the group where the request's first token comes soonest, cached prefix included,
 without trading other prefixes' cache for it.
 
-Per request, in three steps:
+Per request, in four steps:
 
 1. **Filter saturated groups.** A group is saturated when it carries more than ``balance_abs`` +
    ``balance_rel`` × the least loaded group's outstanding requests (or, if enabled, its KV cache
@@ -22,7 +22,15 @@ Per request, in three steps:
    pressure each of those is another prefix some later request misses. Misses therefore go to the
    least-loaded group (not to the group with the smallest cache, which piles new work onto busy
    groups), preferring one with room for them.
-3. **Pick** the cheapest; equal costs take turns in the order groups joined (deterministic, yet fair).
+3. **Follow a prefill in progress.** A request no group's index holds any block of may share its
+   prefix with a request another group is prefilling right now (the index learns of blocks only once
+   their prefill is done). Where computing that prefix again would evict cached blocks (the prompt
+   needs more blocks than a group has free), such a group is passed over for one prefilling the same
+   first block (``follow_prefill``); where a group has room, the costs decide, so a hot prefix still
+   spreads. (Measured on the simulated grid: the worst cell's hit rate went from 0.825× to 0.869×
+   ``prefix_only``'s; following always, regardless of room, cost the hot-prefix and multi-turn
+   cells up to 4.4× their TTFT p50.)
+4. **Pick** the cheapest; equal costs take turns in the order groups joined (deterministic, yet fair).
 
 Why the KV-usage filter is off by default (``kv_saturation`` 1.0): when requests share long
 prefixes, the KV cache of a busy group is nearly full of the running requests' blocks most of the
@@ -84,6 +92,14 @@ class CacheAwareParams(PolicyParams):
         ),
     )
 
+    follow_prefill: bool = Field(
+        True,
+        description=(
+            "A request no group holds any of goes to a group prefilling a request with its first block, if one "
+            "is not saturated: its prefix is being computed there, and elsewhere it would be computed twice."
+        ),
+    )
+
 
 class CacheAwarePolicy(RoutingPolicy):
     name = "cache_aware"
@@ -102,6 +118,11 @@ class CacheAwarePolicy(RoutingPolicy):
         saturated = self.saturated(groups, outstanding)
         if saturated.any() and not saturated.all():
             cost[saturated] = np.inf
+        if self.p.follow_prefill and not groups.matched_blocks.any():
+            prefilling = groups.prefilling > 0
+            if (prefilling & np.isfinite(cost)).any():
+                prompt_blocks = -(-request.prompt_tokens // request.block_size)
+                cost[~prefilling & (prompt_blocks > groups.free_blocks)] = np.inf
         return self._ties.pick(np.flatnonzero(cost == cost.min()))
 
     def saturated(self, groups: Candidates, outstanding: np.ndarray) -> np.ndarray:

@@ -103,6 +103,48 @@ def test_the_routers_free_blocks_follow_the_index() -> None:
     assert seen == [[1000 - 4, 1000 - 2, 500]]  # rows in join order: a, b, c
 
 
+@pytest.mark.parametrize(
+    ("b_capacity", "follow_prefill", "expected"), [(8, True, "a"), (8, False, "b"), (64, True, "b")]
+)
+def test_a_prefix_being_prefilled_draws_a_follower_where_computing_it_again_would_evict(
+    b_capacity: int, follow_prefill: bool, expected: str
+) -> None:
+    """a is prefilling PROMPT (no first token yet, so no index holds it): a second request with that prefix
+    matches nothing. b is the less loaded; where computing the prefix there would evict b's cached blocks
+    (4 free of 8, the prompt needs 5), the follower goes to a; where b has room, load decides."""
+    r = Router(make_policy("cache_aware", {"follow_prefill": follow_prefill}), BLOCK)
+    r.add_group("a", 64)
+    r.add_group("b", b_capacity)
+    r.index.record_stored("b", block_keys([9] * 4 * BLOCK, BLOCK))
+    assert r.route("first", PROMPT).group == "a"
+    follower = PROMPT[: 4 * BLOCK] + [5] * 40
+    assert r.route("follower", follower).group == expected
+
+
+def test_the_router_counts_prefills_in_progress_by_first_block_until_their_first_token() -> None:
+    r = router(groups=("a", "b"))
+    seen: list[list[int]] = []
+    choose = r.policy.choose
+
+    def recording(request: RoutingRequest, groups: Candidates) -> int:
+        seen.append(groups.prefilling.tolist())
+        return choose(request, groups)
+
+    r.policy.choose = recording  # type: ignore[method-assign]
+    first = r.route("1", PROMPT)
+    second = r.route("2", PROMPT[:BLOCK] + [3] * BLOCK)  # same first block, then different
+    r.route("3", [4] * 2 * BLOCK)  # another first block
+    r.first_token(first)
+    r.finished(second, [])  # failed before its first token
+    r.route("4", PROMPT)
+    r.route("5", PROMPT[: BLOCK - 1])  # shorter than a block: nothing to follow
+    row = {"a": 0, "b": 1}
+    expected_second = [0, 0]
+    expected_second[row[first.group]] = 1
+    assert seen[:2] == [[0, 0], expected_second]
+    assert seen[3] == [0, 0] and seen[4] == [0, 0]
+
+
 def test_misses_go_to_the_least_loaded_group_not_the_emptiest_cache() -> None:
     r = router(groups=("a", "b"))
     r.index.record_stored("a", block_keys(PROMPT, BLOCK))  # a holds a lot, b nothing
