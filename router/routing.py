@@ -139,19 +139,10 @@ class Router:
         started = self._clock()
         matches = self.index.match(self._keyer.iter_keys(prompt_token_ids))  # hashes only as far as it matches
         request = RoutingRequest(request_id, prompt_token_ids, self.block_size)
-        matched = np.zeros(len(rows), dtype=np.int64)
-        best = 0
-        for name, depth in matches.items():
-            position = np.searchsorted(rows, self._rows[name])
-            if position < len(rows) and rows[position] == self._rows[name]:
-                matched[position] = depth
-                best = max(best, depth)
+        matched = _candidate_column(rows, {self._rows[name]: depth for name, depth in matches.items()})
+        best = int(matched.max())
         head = self._head(prompt_token_ids)
-        prefilling = np.zeros(len(rows), dtype=np.int64)
-        for prefilling_row, count in self._prefilling.get(head, {}).items() if head is not None else ():
-            position = np.searchsorted(rows, prefilling_row)
-            if position < len(rows) and rows[position] == prefilling_row:
-                prefilling[position] = count
+        prefilling = _candidate_column(rows, self._prefilling.get(head, {}) if head is not None else {})
         pick = slice(0, len(rows)) if rows[-1] == len(rows) - 1 else rows  # all live: views, no copies
         candidates = Candidates(
             in_flight=self._in_flight[pick],
@@ -222,3 +213,13 @@ class Router:
             grown = np.zeros(size, dtype=column.dtype)
             grown[: len(column)] = column
             setattr(self, attr, grown)
+
+
+def _candidate_column(rows: np.ndarray, by_row: dict[int, int]) -> np.ndarray:
+    """``by_row``'s values at the candidates' positions (``rows``, ascending); rows not among them are left out."""
+    column = np.zeros(len(rows), dtype=np.int64)
+    for row, value in by_row.items():
+        position = np.searchsorted(rows, row)
+        if position < len(rows) and rows[position] == row:
+            column[position] = value
+    return column

@@ -95,8 +95,9 @@ class CacheAwareParams(PolicyParams):
     follow_prefill: bool = Field(
         True,
         description=(
-            "A request no group holds any of goes to a group prefilling a request with its first block, if one "
-            "is not saturated: its prefix is being computed there, and elsewhere it would be computed twice."
+            "A request no group holds any of passes over the groups where computing its prefix would evict cached "
+            "blocks for a (not saturated) group prefilling a request with its first block: the prefix is being "
+            "computed there. Groups with room for it stay in, and the costs decide."
         ),
     )
 

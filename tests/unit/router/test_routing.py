@@ -34,6 +34,19 @@ def serve(r: Router, prompt: list[int], request_id: str = "x") -> str:
     return decision.group
 
 
+def record_candidates(r: Router, column: str) -> list[list[int]]:
+    """The ``column`` of ``Candidates`` the policy is shown, one list per decision from now on."""
+    seen: list[list[int]] = []
+    choose = r.policy.choose
+
+    def recording(request: RoutingRequest, groups: Candidates) -> int:
+        seen.append(getattr(groups, column).tolist())
+        return choose(request, groups)
+
+    r.policy.choose = recording  # type: ignore[method-assign]
+    return seen
+
+
 @pytest.mark.parametrize("precise", [False, True], ids=["approximate", "precise"])
 def test_a_repeated_prefix_goes_to_the_group_holding_it(precise: bool) -> None:
     """Sequential requests: every repeat of a prefix is a hit, so the engine hit rate is the optimum."""
@@ -91,14 +104,7 @@ def test_the_routers_free_blocks_follow_the_index() -> None:
     r.add_group("c", 500)
     r.add_group("b", 1000)  # back, in a new index slot
     r.index.record_stored("b", block_keys(PROMPT, BLOCK)[:2])
-    seen: list[list[int]] = []
-    choose = r.policy.choose
-
-    def recording(request: RoutingRequest, groups: Candidates) -> int:
-        seen.append(groups.free_blocks.tolist())
-        return choose(request, groups)
-
-    r.policy.choose = recording  # type: ignore[method-assign]
+    seen = record_candidates(r, "free_blocks")
     r.route("x", PROMPT)
     assert seen == [[1000 - 4, 1000 - 2, 500]]  # rows in join order: a, b, c
 
@@ -123,14 +129,7 @@ def test_a_prefix_being_prefilled_draws_a_follower_where_computing_it_again_woul
 
 def test_the_router_counts_prefills_in_progress_by_first_block_until_their_first_token() -> None:
     r = router(groups=("a", "b"))
-    seen: list[list[int]] = []
-    choose = r.policy.choose
-
-    def recording(request: RoutingRequest, groups: Candidates) -> int:
-        seen.append(groups.prefilling.tolist())
-        return choose(request, groups)
-
-    r.policy.choose = recording  # type: ignore[method-assign]
+    seen = record_candidates(r, "prefilling")
     first = r.route("1", PROMPT)
     second = r.route("2", PROMPT[:BLOCK] + [3] * BLOCK)  # same first block, then different
     r.route("3", [4] * 2 * BLOCK)  # another first block
