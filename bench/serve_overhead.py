@@ -6,6 +6,8 @@ Targets, each started fresh and alternated over rounds so machine noise hits all
   its own CPU thread binding): what a user gets from ``vllm serve``
 * ``vllm-ray``    — the same server with ``--distributed-executor-backend ray`` on a local Ray head
 * ``flotilla``    — ``flotilla serve`` with 1 group, TP=1, every default (``executor: auto`` → vLLM's own)
+* ``flotilla-worker-process`` — the same with ``cpu.rank_in_engine_core: false``: the rank in a worker
+  process of its own, as vLLM's CPU platform runs it (``flotilla-2g-worker-process``: with 2 groups)
 * ``flotilla-ray`` — the same with ``executor: ray`` (vLLM's Ray executor, a worker actor per rank)
 * ``vllm-2x``     — two vLLM servers behind HAProxy round robin (one OpenMP thread each, unbound,
   as Flotilla's workers run)
@@ -242,6 +244,14 @@ class FlotillaUnpinned(Flotilla):
     cpu_extra = ", bind_cores: false"
 
 
+class FlotillaWorkerProcess(Flotilla):
+    """The default with ``cpu.rank_in_engine_core: false``: vLLM's CPU default, the rank in a worker process of
+    its own that EngineCore busy-waits on."""
+
+    name = "flotilla-worker-process"
+    cpu_extra = ", rank_in_engine_core: false"
+
+
 class FlotillaRay(Flotilla):
     name = "flotilla-ray"
     executor = "ray"
@@ -255,6 +265,11 @@ class FlotillaTwoGroups(Flotilla):
 class FlotillaTwoGroupsUnpinned(FlotillaTwoGroups):
     name = "flotilla-2g-unpinned"
     cpu_extra = ", bind_cores: false"
+
+
+class FlotillaTwoGroupsWorkerProcess(FlotillaTwoGroups):
+    name = "flotilla-2g-worker-process"
+    cpu_extra = FlotillaWorkerProcess.cpu_extra
 
 
 class FlotillaWideEp(Flotilla):
@@ -295,10 +310,12 @@ TARGETS = {
         Flotilla,
         FlotillaOneIngress,
         FlotillaUnpinned,
+        FlotillaWorkerProcess,
         FlotillaRay,
         VllmPair,
         FlotillaTwoGroups,
         FlotillaTwoGroupsUnpinned,
+        FlotillaTwoGroupsWorkerProcess,
         VllmEpPair,
         FlotillaWideEp,
         FlotillaWideEpEplb,
@@ -309,9 +326,11 @@ PEERS = {
     "flotilla": ("vllm-uni", "vllm-ray"),
     "flotilla-1ingress": ("vllm-uni", "flotilla"),
     "flotilla-unpinned": ("vllm-uni", "flotilla"),
+    "flotilla-worker-process": ("vllm-uni", "flotilla"),
     "flotilla-ray": ("vllm-ray",),
     "flotilla-2g": ("vllm-2x",),
     "flotilla-2g-unpinned": ("vllm-2x", "flotilla-2g"),
+    "flotilla-2g-worker-process": ("vllm-2x", "flotilla-2g"),
     "flotilla-ep": ("flotilla-2g", "vllm-ep2"),
     "flotilla-ep-eplb": ("flotilla-ep",),
 }

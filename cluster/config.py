@@ -69,6 +69,14 @@ class CpuEngineDefaults(_Strict):
             "(groups on one node, executor mp; not wide-EP groups). False: workers run where the OS puts them."
         ),
     )
+    rank_in_engine_core: bool = Field(
+        True,
+        description=(
+            "A group of one rank (TP = PP = 1, executor mp) runs its model inside vLLM's EngineCore process, as vLLM "
+            "does on GPUs, with the rank's OpenMP threads and cores set for that process. False: vLLM's CPU default, "
+            "a worker process of its own that EngineCore busy-waits on at every step."
+        ),
+    )
 
 
 class PlanConfig(_Strict):

@@ -6,8 +6,10 @@ startup to reject unknown engine arguments before anything starts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +44,8 @@ class EngineSpec:
     cpu_threads_per_worker: int | None = None
     cpu_bind_cores: bool = True
     """Pin each worker's threads to cores no other group on the machine holds (``cpu_binding``; mp executor)."""
+    cpu_rank_in_engine_core: bool = True
+    """One rank under ``mp`` runs in vLLM's EngineCore process on CPU too (``engine_core_process``)."""
     kv_events: bool = True
     """Publish vLLM's KV-cache events (ZMQ) so routers can track this engine's cache exactly."""
     executor: Executor = "ray"
@@ -150,6 +154,28 @@ def vllm_executor_backend(spec: EngineSpec) -> str:
     if spec.executor == "mp" and spec.world_size == 1:
         return "uni"
     return spec.executor
+
+
+@contextlib.contextmanager
+def engine_core_process(vllm_config: Any, spec: EngineSpec, on_cpu: bool) -> Iterator[None]:
+    """Around ``AsyncLLM``'s construction: on CPU, a group of one rank runs that rank inside EngineCore.
+
+    vLLM's CPU platform turns its single-rank executor (``uni``: the model in the EngineCore process, as on
+    GPUs) into ``mp``, a worker process of its own, because the server that spawns EngineCore cannot give it
+    the rank's OpenMP environment. EngineCore then busy-waits on that worker at every step, on the core the
+    leader, the ingress and the client share (0.66 of a core under load, ``bench/cpu_breakdown.py``). A leader
+    spawns its EngineCore itself, so it sets the rank's OpenMP threads and cores for that spawn, with vLLM's
+    own ``OMPProcessManager`` (what vLLM's executor sets for its worker), and keeps ``uni``. Measured side by
+    side: docs/benchmarks.md (``serve_overhead``).
+    """
+    if not (on_cpu and spec.cpu_rank_in_engine_core and vllm_executor_backend(spec) == "uni"):
+        yield
+        return
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    vllm_config.parallel_config.distributed_executor_backend = "uni"
+    with OMPProcessManager(vllm_config).configure_omp_envs(rank=0, local_rank=0):
+        yield
 
 
 def default_worker_threads(node_cpus: float, node_workers: float) -> int:

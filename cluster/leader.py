@@ -30,6 +30,7 @@ from flotilla.cluster.cpu_binding import CoreClaim, fence_claimed_cores
 from flotilla.cluster.engine import (
     EngineSpec,
     apply_process_env,
+    engine_core_process,
     engine_kwargs,
     kv_events_config,
     run_at_normal_priority,
@@ -168,11 +169,12 @@ class GroupLeader:
             if env:
                 vllm_config.parallel_config.ray_runtime_env = RuntimeEnv(env_vars=env)
         self.vllm_instance_id = vllm_config.instance_id
-        self.engine = AsyncLLM.from_vllm_config(
-            vllm_config,
-            usage_context=UsageContext.OPENAI_API_SERVER,
-            stat_loggers=[self._scheduler_stats.logger_factory],
-        )
+        with engine_core_process(vllm_config, self.spec, on_cpu):
+            self.engine = AsyncLLM.from_vllm_config(
+                vllm_config,
+                usage_context=UsageContext.OPENAI_API_SERVER,
+                stat_loggers=[self._scheduler_stats.logger_factory],
+            )
         cache = vllm_config.cache_config
         return EngineInfo(
             max_model_len=vllm_config.model_config.max_model_len,

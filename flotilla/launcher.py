@@ -281,6 +281,7 @@ def _engine_spec(config: ServeConfig, cluster: LocalCluster | None) -> EngineSpe
         cpu_kv_cache_memory_bytes=config.cpu.kv_cache_memory_bytes,
         cpu_threads_per_worker=threads,
         cpu_bind_cores=config.cpu.bind_cores,
+        cpu_rank_in_engine_core=config.cpu.rank_in_engine_core,
         kv_events=config.routing.kv_events,
         data_parallel_size=config.data_parallel_size,
     )

@@ -245,6 +245,8 @@ def test_status_shows_every_group_rank_bundle_and_node(server: Server) -> None:
         assert group["leader"]["state"] == "ALIVE"
         (rank,) = group["ranks"]  # executor auto → mp: the rank runs in the leader's bundle, as its child process
         assert rank["bundle"] == 0 and rank["worker"]["state"] == "ALIVE" and rank["worker"]["pid"]
+        # cpu.rank_in_engine_core: the one rank is vLLM's EngineCore process itself, no worker process beside it
+        assert rank["worker"]["name"] == "VLLM::EngineCore"
         assert rank["node_id"] == rank["worker"]["node_id"] == group["leader"]["node_id"]
 
 

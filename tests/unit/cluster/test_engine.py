@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +71,47 @@ def test_eplb_goes_to_the_cpu_platform_through_additional_config_and_uses_flotil
     assert "FLOTILLA_EPLB_POLICY" not in worker_env(dataclasses.replace(spec, engine_args={}), True, 8, 8)
     monkeypatch.setenv("FLOTILLA_EPLB_POLICY", "default")  # an operator's choice stands
     assert worker_env(spec, on_cpu=False, node_cpus=8, node_slots=8) == {}
+
+
+def engine_core_launch(model: Path, spec_kwargs: str) -> dict:
+    """In a child process (vLLM's CPU platform rewrites its environment): the executor vLLM's config names, and
+    the one and the OpenMP environment EngineCore is spawned with, for a group of ``EngineSpec(model, …)``."""
+    script = f"""
+import json, os
+from vllm.engine.arg_utils import AsyncEngineArgs
+from flotilla.cluster.engine import EngineSpec, engine_core_process, engine_kwargs
+spec = EngineSpec({str(model)!r}, "m", {spec_kwargs})
+config = AsyncEngineArgs(**engine_kwargs(spec, on_cpu=True)).create_engine_config()
+configured = config.parallel_config.distributed_executor_backend
+omp = lambda: {{k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))}}
+outside = omp()
+with engine_core_process(config, spec, on_cpu=True):
+    spawned = {{"executor": config.parallel_config.distributed_executor_backend, "omp": omp()}}
+print(json.dumps({{"configured": configured, "spawned": spawned, "restored": omp() == outside}}))
+"""
+    # A claim of core 1 and one thread, as ``apply_process_env`` sets them for a pinned group.
+    env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_one_rank_runs_inside_engine_core_with_the_ranks_cores(tiny_llama: Path) -> None:
+    launch = engine_core_launch(tiny_llama, "1, 1, executor='mp'")
+    assert launch["configured"] == "mp"  # vLLM's CPU platform: the rank in a worker process of its own
+    assert launch["spawned"]["executor"] == "uni"
+    omp = launch["spawned"]["omp"]
+    assert omp["OMP_NUM_THREADS"] == "1"
+    assert omp.get("GOMP_CPU_AFFINITY") == "1" or (omp.get("OMP_PLACES"), omp.get("OMP_PROC_BIND")) == ("{1}", "true")
+    assert launch["restored"]  # the leader's own environment is left as it was
+
+
+@pytest.mark.parametrize(
+    "spec_kwargs",
+    ["1, 1, executor='mp', cpu_rank_in_engine_core=False", "2, 1, executor='mp'", "1, 1, executor='ray'"],
+    ids=["switched-off", "two-ranks", "ray-executor"],
+)
+def test_other_layouts_keep_their_executor(tiny_llama: Path, spec_kwargs: str) -> None:
+    launch = engine_core_launch(tiny_llama, spec_kwargs)
+    assert launch["spawned"] == {"executor": launch["configured"], "omp": launch["spawned"]["omp"]}
+    assert launch["configured"] in ("mp", "ray") and launch["restored"]
