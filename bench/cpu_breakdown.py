@@ -1,12 +1,13 @@
 """Where a Flotilla group's CPU time goes: per process role, idle and under vLLM's `bench serve` load.
 
-Starts ``flotilla serve`` (1 group of tiny-llama, defaults), then samples every process's CPU
-time (psutil) over an idle window and over a concurrency-1 ``bench serve`` run, and reports the
-cores each role used: the group's worker and EngineCore, its leader, the ingress, HAProxy, the
-coordinator, Ray's own daemons. What runs while nothing is asked of the server is what steals
-time from a decode step on a small machine.
+Starts a ``bench.serve_overhead`` target (default ``flotilla``: ``flotilla serve``, 1 group of
+tiny-llama, defaults), then samples every process's CPU time (psutil) over an idle window and over a
+``bench serve`` run at ``--concurrency``, and reports the cores each role used: the group's worker and
+EngineCore, its leader, the ingress, HAProxy, the coordinator, Ray's own daemons (or, for a vLLM
+target, its API servers). What runs while nothing is asked of the server is what steals time from a
+decode step on a small machine.
 
-    python -m bench.cpu_breakdown [--idle-s 20] [--prompts 16]
+    python -m bench.cpu_breakdown [--idle-s 20] [--prompts 16] [--target flotilla-2g --concurrency 8]
 """
 
 from __future__ import annotations
@@ -22,19 +23,20 @@ from pathlib import Path
 import psutil
 
 from bench.common import RESULTS, write_docs_section
-from bench.serve_overhead import EngineSettings, Flotilla, bench_serve
+from bench.serve_overhead import TARGETS, EngineSettings, bench_serve
 from devtools import REPO
 
 ROLES = (  # (role, substring of the process's command line), first match wins
     ("group worker", "RayWorkerProc"),  # executor: ray
-    ("group worker", "VLLM::Worker"),  # executor: mp (on CPU vLLM runs even one rank in its own process)
-    ("EngineCore", "EngineCore"),
+    ("group worker", "VLLM::Worker"),  # executor: mp with more ranks than one, or cpu.rank_in_engine_core false
+    ("EngineCore", "EngineCore"),  # with one rank (cpu.rank_in_engine_core), the model runs in it too
     ("group leader", "GroupLeader"),
     ("ingress", "OpenAIIngress"),
     ("coordinator", "Coordinator"),
     ("serve controller", "ServeController"),
     ("HAProxy", "haproxy"),
     ("flotilla serve", "flotilla.cli serve"),
+    ("vLLM API server", "vllm.entrypoints.openai.api_server"),
     ("raylet", "raylet"),
     ("gcs", "gcs_server"),
     ("dashboard and agents", "dashboard"),
@@ -76,24 +78,29 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=REPO / "models" / "tiny-llama")
     parser.add_argument("--idle-s", type=float, default=20)
     parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--target", choices=sorted(TARGETS), default="flotilla", help="a bench.serve_overhead target")
+    parser.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args()
     args.model = args.model.resolve()
     load_args = argparse.Namespace(input_len=512, output_len=64, seed=0)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    target = Flotilla(args.model, Path(tempfile.mkdtemp()), EngineSettings(device="cpu", dummy_weights=False))
+    settings = EngineSettings(device="cpu", dummy_weights=False)
+    target = TARGETS[args.target](args.model, Path(tempfile.mkdtemp()), settings)
     target.start()
     try:
         bench_serve(target.url, args.model, load_args, 4, 1)  # warm-up
         idle_wall, idle = window(lambda: time.sleep(args.idle_s))
-        busy_wall, busy = window(lambda: bench_serve(target.url, args.model, load_args, args.prompts, 1))
+        busy_wall, busy = window(lambda: bench_serve(target.url, args.model, load_args, args.prompts, args.concurrency))
     finally:
         target.stop()
     lines = [
         f"Date: {date.today().isoformat()}. Command: `python -m bench.cpu_breakdown {' '.join(sys.argv[1:])}`. "
-        f"`flotilla serve`, 1 group of `{args.model.name}`, every default; idle window {args.idle_s:.0f} s, then "
-        f"{args.prompts} requests (512 in / 64 out tokens) at concurrency 1 from vLLM's `bench serve`.",
+        f"Target `{args.target}` (bench.serve_overhead) of `{args.model.name}`; idle window {args.idle_s:.0f} s, "
+        f"then {args.prompts} requests (512 in / 64 out tokens) at concurrency {args.concurrency} from vLLM's "
+        "`bench serve`.",
         "",
-        "| process role | cores used, idle | cores used, concurrency-1 load |",
+        f"| process role | cores used, idle | cores used, concurrency-{args.concurrency} load |",
         "|---|---|---|",
     ]
     for role in dict.fromkeys(role for role, _ in ROLES):
@@ -102,7 +109,8 @@ def main() -> None:
     lines.append(f"| **all** | {sum(idle.values()) / idle_wall:.3f} | {sum(busy.values()) / busy_wall:.3f} |")
     report = "\n".join(lines)
     (RESULTS / "cpu_breakdown.md").write_text(report + "\n")
-    write_docs_section("cpu_breakdown", report, "Where a group's CPU time goes")
+    if not args.no_docs:
+        write_docs_section("cpu_breakdown", report, "Where a group's CPU time goes")
     print(report)
 
 

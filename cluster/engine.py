@@ -180,7 +180,7 @@ def engine_core_process(vllm_config: Any, spec: EngineSpec, on_cpu: bool) -> Ite
 
 def default_worker_threads(node_cpus: float, node_workers: float) -> int:
     """OpenMP threads per CPU worker when the config sets none: the node's cores less one per worker
-    (its EngineCore's scheduler loop, the leader, the ingress), shared among the workers.
+    (the leader, the ingress and, with more than one rank, EngineCore's scheduler loop), shared among them.
 
     vLLM's own CPU executor reserves the same (one core per local rank). Without the reserve, a
     worker's threads outnumber the free cores, and a parallel region waits for a thread the OS
