@@ -5,7 +5,8 @@ Serve LLM: 2 replicas, once with Serve's default health checks (every 10 s, 30 s
 tuned to Flotilla's: every 0.5 s, 3 s timeout) under a steady load of non-streaming completions (4
 at a time). Each fault is injected once, and the run waits for recovery:
 
-* ``worker``: SIGKILL the process that runs the model (Flotilla: the group's vLLM worker actor;
+* ``worker``: SIGKILL the process that runs the model (Flotilla: the group's rank process as
+  ``flotilla status`` lists it, with one rank its vLLM EngineCore, ``cpu.rank_in_engine_core``;
   Ray Serve LLM: the replica's vLLM EngineCore process, which hosts its model executor);
 * ``leader``: SIGKILL the process that owns the engine (Flotilla: the group leader actor;
   Ray Serve LLM: the replica actor);
