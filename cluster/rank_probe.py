@@ -22,12 +22,18 @@ class RankProbe:
 
         setproctitle cannot find the process's argv once the process has changed its first environment
         variable before vLLM named it (which one comes first depends on the parent's environment), and
-        then reports no title; the rank's place in its TP and PP groups names it instead."""
+        then reports no title; the name vLLM gave the EngineCore process (a rank that runs inside it,
+        ``cpu.rank_in_engine_core``), else the rank's place in its TP and PP groups, names it instead."""
+        import multiprocessing
+
         import setproctitle
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         title = setproctitle.getproctitle()
-        if not title:
+        process = multiprocessing.current_process().name
+        if not title and process.startswith("EngineCore"):
+            title = f"VLLM::{process}"
+        elif not title:
             tp, pp = get_tp_group(), get_pp_group()
             places = [f"PP{pp.rank_in_group}"] if pp.world_size > 1 else []
             places += [f"TP{tp.rank_in_group}"] if tp.world_size > 1 else []

@@ -3,6 +3,7 @@ reports the EPLB load vLLM recorded under its current placement only."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from types import SimpleNamespace
 
@@ -27,6 +28,13 @@ def test_without_a_title_the_rank_is_named_by_its_tp_and_pp_place(monkeypatch, t
     monkeypatch.setattr(parallel_state, "get_tp_group", lambda: group(*tp))
     monkeypatch.setattr(parallel_state, "get_pp_group", lambda: group(*pp))
     assert RankProbe().flotilla_rank_process() == (os.getpid(), expected)
+
+
+@pytest.mark.parametrize("process", ["EngineCore", "EngineCore_DP1"])
+def test_without_a_title_a_rank_inside_engine_core_is_named_by_vllms_process_name(monkeypatch, process) -> None:
+    monkeypatch.setattr(setproctitle, "getproctitle", lambda: "")
+    monkeypatch.setattr(multiprocessing.current_process(), "name", process)
+    assert RankProbe().flotilla_rank_process() == (os.getpid(), f"VLLM::{process}")
 
 
 def test_vllms_title_wins_where_there_is_one(monkeypatch) -> None:
