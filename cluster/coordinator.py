@@ -341,14 +341,14 @@ class Coordinator:
         return None
 
     async def _listed_dead_soon(self, leader: Any) -> bool:
-        """Whether Ray's actor table lists a leader that missed its health check as dead within another
-        ``health_timeout_s``: a killed leader's pending call can outlast the timeout on a busy node, and Ray can
-        take seconds more to mark it dead (seen in CI under the full suite); that is a death, not a hang."""
-        deadline = time.monotonic() + self.recovery.health_timeout_s
+        """Whether Ray's actor table lists a leader that missed its health check as dead within
+        ``death_verdict_s``: a killed leader's pending call fails only once Ray has noticed the death, which can
+        take longer than the health timeout (seen in the e2e suite); that is a death, not a hang."""
+        deadline = time.monotonic() + self.recovery.death_verdict_s
         while not await asyncio.to_thread(_actor_dead, leader):
             if time.monotonic() >= deadline:
                 return False
-            await asyncio.sleep(min(0.5, self.recovery.health_timeout_s / 5))
+            await asyncio.sleep(min(0.5, self.recovery.death_verdict_s / 5))
         return True
 
     def _begin_restart(self, record: GroupRecord, failure: Failure, drain: bool = False) -> None:

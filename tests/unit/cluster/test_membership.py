@@ -29,7 +29,9 @@ from flotilla.router.settings import IngressSettings, RoutingConfig
 
 BLOCK = 16
 PROMPT = list(range(100, 100 + 4 * BLOCK + 3))
-FAST = RecoveryConfig(health_period_s=0.01, hang_timeout_s=0.05, health_timeout_s=0.05, backoff_base_s=0.01)
+FAST = RecoveryConfig(
+    health_period_s=0.01, hang_timeout_s=0.05, health_timeout_s=0.05, death_verdict_s=0.05, backoff_base_s=0.01
+)
 
 
 # --- restart budget --------------------------------------------------------------------------------
@@ -236,13 +238,22 @@ def test_a_wide_ep_group_is_one_gang_of_routable_dp_ranks(fake_groups: type[Fake
 
 
 @pytest.mark.parametrize(
-    "fault", ["no_progress", "frozen_leader", "engine_dead", "killed_leader_slow_to_fail", "killed_leader_listed_late"]
+    "fault",
+    [
+        "no_progress",
+        "frozen_leader",
+        "engine_dead",
+        "killed_leader_slow_to_fail",
+        "killed_leader_listed_late",
+        "killed_leader_listed_after_the_health_timeout",
+    ],
 )
 def test_hangs_and_dead_engines_are_detected(
     fake_groups: type[FakeGroup], fault: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def scenario() -> None:
-        coordinator = make_coordinator()
+        # Ray's verdict may come later than the health timeout: the leader counts as hung only after death_verdict_s
+        coordinator = make_coordinator(FAST.model_copy(update={"death_verdict_s": 2.0}))
         await coordinator.start()
         await until(coordinator, lambda m: len(m.ready()) == 2)
         leader = coordinator.records["g1"].runtime.leader
@@ -259,6 +270,16 @@ def test_hangs_and_dead_engines_are_detected(
             monkeypatch.setattr(
                 coordinator_module, "_actor_dead", lambda handle: handle is leader and len(looks.append(0) or looks) > 2
             )
+        elif fault == "killed_leader_listed_after_the_health_timeout":  # ... 10 health timeouts after its first look
+            leader.frozen = True
+            loop = asyncio.get_running_loop()
+            first_look: list[float] = []
+
+            def listed_dead(handle: Any) -> bool:
+                first_look[:] = first_look or [loop.time()]
+                return handle is leader and loop.time() - first_look[0] > 10 * FAST.health_timeout_s
+
+            monkeypatch.setattr(coordinator_module, "_actor_dead", listed_dead)
         else:
             leader.health_result = LeaderHealth(False, "EngineDeadError: worker died", 0, 0.0)
         back = await until(coordinator, lambda m: (m.group("g1").generation == 2) and len(m.ready()) == 2)
@@ -268,6 +289,7 @@ def test_hangs_and_dead_engines_are_detected(
             "engine_dead": "engine_dead",
             "killed_leader_slow_to_fail": "leader_died",
             "killed_leader_listed_late": "leader_died",
+            "killed_leader_listed_after_the_health_timeout": "leader_died",
         }[fault]
         assert back.group("g1").restarts == {expected: 1}
         await coordinator.shutdown()
