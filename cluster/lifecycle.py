@@ -31,8 +31,9 @@ class RecoveryConfig(BaseModel):
         gt=0,
         description=(
             "A leader that misses its health check is called hung only once Ray's actor table has not listed it "
-            "dead for this long after: Ray learns of a killed leader seconds after the process is gone (2.4-3.6 s "
-            "measured on an idle 2-core machine, over 6 s under load), and that is a death, not a hang."
+            "dead for this long after: Ray learns of a killed leader seconds after its process is gone (2.4-3.6 s "
+            "measured on a 2-core machine serving light load, over 6 s in the e2e suite), and that is a death, "
+            "not a hang."
         ),
     )
     hang_timeout_s: float = Field(
