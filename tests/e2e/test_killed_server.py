@@ -45,6 +45,14 @@ def alive(process: psutil.Process) -> bool:
         return False
 
 
+def name_of(process: psutil.Process) -> str | None:
+    """The process's name, or None where it ended after it was listed (Ray's short-lived helpers do)."""
+    try:
+        return process.name()
+    except psutil.NoSuchProcess:
+        return None
+
+
 def thread_cores(process: psutil.Process) -> set[frozenset[int]]:
     return {frozenset(os.sched_getaffinity(thread.id)) for thread in process.threads()}
 
@@ -58,7 +66,7 @@ def pinned_and_fenced(server_pid: int) -> frozenset[int]:
         assert all(cores <= claims.cores for cores in thread_cores(psutil.Process(pid))), pid
     if machine_cores() - claims.cores:
         raylets = [
-            p for p in psutil.Process(server_pid).children(recursive=True) if p.name() in ("raylet", "gcs_server")
+            p for p in psutil.Process(server_pid).children(recursive=True) if name_of(p) in ("raylet", "gcs_server")
         ]
         assert raylets
         for root in raylets:
@@ -80,7 +88,7 @@ def test_a_killed_server_leaves_no_process_and_frees_its_port(models_dir: Path, 
         body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
         started = psutil.Process(server.process.pid).children(recursive=True)
-        assert any(p.name() == "haproxy" for p in started), "the default front proxy is not among its processes"
+        assert any(name_of(p) == "haproxy" for p in started), "the default front proxy is not among its processes"
         cores = pinned_and_fenced(server.process.pid)
         port = urlparse(server.url).port
         assert port is not None
@@ -93,5 +101,5 @@ def test_a_killed_server_leaves_no_process_and_frees_its_port(models_dir: Path, 
             # Ray's node agents notice their raylet is gone at once, then try to report it to the dead GCS
             # for Ray's reconnect timeout (60 s) before they exit: waited for while the second one serves.
             assert wait_for(lambda: not any(alive(p) for p in started), 240), [
-                f"{p.pid} {p.name()}" for p in started if alive(p)
+                f"{p.pid} {name_of(p)}" for p in started if alive(p)
             ]
