@@ -237,7 +237,7 @@ class GroupLeader:
             # An EngineCoreRequest skips AsyncLLM's input processing: the ingress already did it.
             async for output in self.engine.generate(request, request.params, request.request_id):
                 finished = output.finished
-                channel.put(to_wire(key, output))
+                channel.put(to_wire(key, output, request.prompt_token_ids))
             if not finished:
                 raise GroupEngineError(EngineErrorKind.INTERNAL, "the engine ended the request without finishing it")
         except EngineDeadError as err:

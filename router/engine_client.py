@@ -151,9 +151,12 @@ class RoutedEngineClient(EngineClient):
                             self.stats.time_to_first_token.labels(context.endpoint).observe(
                                 time.perf_counter() - context.arrived
                             )
-                    generated = generated + tokens if delta else list(tokens)
+                    if delta:
+                        generated.extend(tokens)
+                    else:
+                        generated = list(tokens)
                     delivered = True
-                    yield from_wire(item)
+                    yield from_wire(item, request.prompt_token_ids)
                 return
             except (RayTaskError, RayActorError, GroupEngineError) as err:
                 kind, message = _failure(err, member.name)

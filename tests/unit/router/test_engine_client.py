@@ -118,6 +118,19 @@ def test_a_request_output_crosses_the_channel_intact(flat: bool) -> None:
             assert list(got.logprobs) == list(want.logprobs)
 
 
+def test_the_submitted_prompt_stays_off_the_wire_and_comes_back_at_the_ingress() -> None:
+    sent = request_output(flat=False)
+    submitted = [3, 4, 5]
+    (item,) = decode_outputs(encode_outputs([to_wire("k1", sent, list(submitted))]))
+    assert item.prompt_token_ids is None and item.prompt_as_submitted
+    assert from_wire(item, submitted).prompt_token_ids == submitted
+    with pytest.raises(ValueError, match="submitted prompt"):
+        from_wire(item)
+    (other,) = decode_outputs(encode_outputs([to_wire("k1", sent, [3, 4])]))  # not the one submitted: carried
+    assert other.prompt_token_ids == [3, 4, 5] and not other.prompt_as_submitted
+    assert from_wire(other, [3, 4]).prompt_token_ids == [3, 4, 5]
+
+
 def test_an_error_crosses_the_channel_as_a_typed_error() -> None:
     (item,) = decode_outputs(encode_outputs([WireOutput.failed("k", GroupEngineError(EngineErrorKind.INTERNAL, "x"))]))
     error = item.error()
