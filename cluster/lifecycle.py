@@ -37,11 +37,14 @@ class RecoveryConfig(BaseModel):
         ),
     )
     hang_timeout_s: float = Field(
-        4.0,
+        30.0,
         gt=0,
         description=(
             "An engine with unfinished requests and no step output for this long is hung (a frozen rank or a stuck "
-            "collective). Above the longest single engine step you expect; vLLM's own timeouts are minutes."
+            "collective). Above the longest single engine step you expect: one step prefills up to "
+            "max_num_batched_tokens (2,048 on CPU); on a slow day of the 2-core dev machine smollm2-135m took "
+            "5.9 s to answer a 600-token prompt and 15.4 s a 2,000-token one (one group, idle), so the 4 s "
+            "default before 2026-12-05 gang-restarted healthy groups. vLLM's own timeouts are minutes."
         ),
     )
     worker_check_period_s: float = Field(

@@ -51,6 +51,8 @@ def server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     config.write_text(
         f"model: {models_dir / 'tiny-llama'}\nserved_model_name: tiny-llama\ngroups: 2\ntensor_parallel_size: 2\n"
         "cpu: {threads_per_worker: 1}\n"
+        # tiny-llama's steps take milliseconds: a 4 s progress deadline finds the frozen worker below quickly
+        "coordinator: {hang_timeout_s: 4}\n"
     )
     with flotilla_serve(str(config), env={"FLOTILLA_ADMIN_TOKEN": TOKEN}) as running:
         connect(running.ray_address)
