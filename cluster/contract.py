@@ -114,11 +114,7 @@ def to_wire(key: str, output: Any, submitted_prompt: Sequence[int] | None = None
     from vllm.logprobs import FlatLogprobs
 
     prompt = output.prompt_token_ids
-    as_submitted = (
-        prompt is not None
-        and submitted_prompt is not None
-        and (prompt is submitted_prompt or list(prompt) == list(submitted_prompt))
-    )
+    as_submitted = prompt is not None and (prompt is submitted_prompt or prompt == submitted_prompt)
     return WireOutput(
         key,
         request_id=output.request_id,
