@@ -1,4 +1,5 @@
-# Flotilla: `make serve` serves the OpenAI endpoint on 127.0.0.1:8000; `make test` runs the tests.
+# Flotilla: `make serve` serves the OpenAI endpoint on 127.0.0.1:8000; `make test` runs the tests
+# (`make test-all` adds the slow ones).
 # Both set up everything first (virtualenv, packages, models); re-running is fast.
 
 PYTHON ?= python3
@@ -14,7 +15,7 @@ WHEELS := $(wildcard /opt/wheels)
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 PIP_INSTALL := $(BIN)/pip install --quiet --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
 
-.PHONY: setup serve test test-unit test-e2e bench lint clean prometheus
+.PHONY: setup serve test test-unit test-e2e test-slow test-all bench lint clean prometheus
 
 setup: $(INSTALLED) $(MODELS)
 
@@ -36,14 +37,21 @@ prometheus:
 serve: setup
 	$(BIN)/flotilla serve --config $(CONFIG)
 
+# `make test` (and CI) leaves out the tests marked slow; `make test-all` runs every test.
 test: setup prometheus
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 test-unit: setup prometheus
 	$(BIN)/python -m pytest -m "not e2e" $(PYTEST_ARGS)
 
 test-e2e: setup prometheus
-	$(BIN)/python -m pytest -m e2e $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "e2e and not slow" $(PYTEST_ARGS)
+
+test-slow: setup prometheus
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+test-all: setup prometheus
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python -m bench.serve_overhead

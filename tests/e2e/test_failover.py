@@ -109,6 +109,7 @@ def test_killed_tp_worker_restarts_its_group_and_loses_no_request(server: Server
     assert shared_memory_segments() - segments_before == set()
 
 
+@pytest.mark.slow  # a gang restart like the killed worker's above; tests/deploy/test_prometheus.py kills a leader too
 def test_killed_leader_restarts_its_group(server: Server) -> None:
     before = group(server, "group-1")
     pid = leader_pid(server, "group-1")

@@ -17,7 +17,7 @@ from flotilla.router.settings import IngressConfig
 from tests.e2e.faults import TOKEN, group, load_through, status, wait_back_in_routing
 from tests.e2e.server import Server, flotilla_serve
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

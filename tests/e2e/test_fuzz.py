@@ -18,7 +18,13 @@ TOKEN = "fuzz-test-token"
 @pytest.fixture(scope="module")
 def server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     config = tmp_path_factory.mktemp("fuzz") / "fuzz.yaml"
-    config.write_text(f"model: {models_dir / MODEL}\nserved_model_name: {MODEL}\ncpu: {{threads_per_worker: 1}}\n")
+    # A generated request without max_tokens runs to the context's end: 2,000 tokens of tiny-llama's 2,048
+    # took more than the 60 s request timeout on a slow day (make test, 2026-12-05: POST /v1/responses), a long
+    # answer, not a hang.
+    config.write_text(
+        f"model: {models_dir / MODEL}\nserved_model_name: {MODEL}\ncpu: {{threads_per_worker: 1}}\n"
+        "engine_args: {max_model_len: 512}\n"
+    )
     with flotilla_serve(str(config), env={"FLOTILLA_ADMIN_TOKEN": TOKEN}) as running:
         yield running
 

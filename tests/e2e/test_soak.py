@@ -13,7 +13,7 @@ import pytest
 from bench.soak import MODEL, SHAPES, soak
 from tests.e2e.server import Server, flotilla_serve
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 STREAMS, DURATION_S = 64, 45
 

@@ -17,7 +17,7 @@ from devtools import REPO, wait_for
 from tests.e2e.faults import TOKEN, group, load_through, rank_pid, wait_back_in_routing
 from tests.e2e.server import Server, flotilla_serve
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 MODEL = "tiny-mixtral"
 GANGS = {"group-0": ("group-0-dp0", "group-0-dp1"), "group-1": ("group-1-dp0", "group-1-dp1")}

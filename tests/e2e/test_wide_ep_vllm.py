@@ -112,6 +112,7 @@ def settled_balance(server: Server, recorded_from: float = 0) -> tuple[int, floa
     return int(reading["flotilla_eplb_rebalances_total"]), reading["flotilla_eplb_balancedness_overall"]
 
 
+@pytest.mark.slow
 def test_vllms_eplb_rebalances_the_skewed_ep_group_and_the_answers_stay_the_same(server: Server, reference) -> None:
     before_load = eplb_reading(server).get("flotilla_eplb_steps_since_rebalance", 0)
     assert before_load < STEP_INTERVAL - WINDOW, "the earlier tests' steps reached vLLM's first recorded window"
@@ -131,6 +132,7 @@ def test_vllms_eplb_rebalances_the_skewed_ep_group_and_the_answers_stay_the_same
     assert eplb["experts_moved_total"] > 0 and eplb["bytes_moved_total"] > 0
 
 
+@pytest.mark.slow
 def test_a_killed_rank_restarts_the_whole_ep_group_once(server: Server, reference) -> None:
     before = {rank: group(server, rank) for rank in RANKS}
     with Load(server.url, MODEL) as load:
