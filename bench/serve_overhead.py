@@ -12,6 +12,8 @@ Targets, each started fresh and alternated over rounds so machine noise hits all
 * ``vllm-2x``     — two vLLM servers behind HAProxy round robin (one OpenMP thread each, unbound,
   as Flotilla's workers run)
 * ``flotilla-2g`` — ``flotilla serve`` with 2 groups: routing's cost against plain round robin
+  (``flotilla-2g-rr``: the same routed ``round_robin``; ``flotilla-2g-1ingress``: one ingress replica;
+  ``flotilla-2g-unpinned``: ``bind_cores: false``)
 * ``flotilla-ep`` — ``flotilla serve`` with 1 wide-EP group of 2 DP ranks (``data_parallel_size: 2``,
   a MoE ``--model``): against ``flotilla-2g`` (the same two engines without EP) and
 * ``flotilla-ep-eplb`` — ``flotilla-ep`` with vLLM's EPLB on (as ``examples/wide-ep-cpu.yaml``): what
@@ -262,14 +264,22 @@ class FlotillaTwoGroups(Flotilla):
     groups = 2
 
 
-class FlotillaTwoGroupsUnpinned(FlotillaTwoGroups):
-    name = "flotilla-2g-unpinned"
-    cpu_extra = ", bind_cores: false"
+class FlotillaTwoGroupsRoundRobin(FlotillaTwoGroups):
+    """2 groups routed round robin: what the default policy's choices cost or gain on prompts that share nothing."""
+
+    name = "flotilla-2g-rr"
+    extra_yaml = "routing: {policy: round_robin}\n"
 
 
-class FlotillaTwoGroupsWorkerProcess(FlotillaTwoGroups):
-    name = "flotilla-2g-worker-process"
-    cpu_extra = FlotillaWorkerProcess.cpu_extra
+def two_groups(one_group: type[Flotilla]) -> type[Flotilla]:
+    """``one_group``'s settings with 2 groups (``flotilla-X`` → ``flotilla-2g-X``)."""
+    attrs = {"name": one_group.name.replace("flotilla", "flotilla-2g", 1), "groups": 2, "__doc__": one_group.__doc__}
+    return type(one_group.__name__.replace("Flotilla", "FlotillaTwoGroups", 1), (one_group,), attrs)
+
+
+FlotillaTwoGroupsOneIngress = two_groups(FlotillaOneIngress)
+FlotillaTwoGroupsUnpinned = two_groups(FlotillaUnpinned)
+FlotillaTwoGroupsWorkerProcess = two_groups(FlotillaWorkerProcess)
 
 
 class FlotillaWideEp(Flotilla):
@@ -314,6 +324,8 @@ TARGETS = {
         FlotillaRay,
         VllmPair,
         FlotillaTwoGroups,
+        FlotillaTwoGroupsRoundRobin,
+        FlotillaTwoGroupsOneIngress,
         FlotillaTwoGroupsUnpinned,
         FlotillaTwoGroupsWorkerProcess,
         VllmEpPair,
@@ -329,6 +341,8 @@ PEERS = {
     "flotilla-worker-process": ("vllm-uni", "flotilla"),
     "flotilla-ray": ("vllm-ray",),
     "flotilla-2g": ("vllm-2x",),
+    "flotilla-2g-rr": ("vllm-2x", "flotilla-2g"),
+    "flotilla-2g-1ingress": ("vllm-2x", "flotilla-2g"),
     "flotilla-2g-unpinned": ("vllm-2x", "flotilla-2g"),
     "flotilla-2g-worker-process": ("vllm-2x", "flotilla-2g"),
     "flotilla-ep": ("flotilla-2g", "vllm-ep2"),
