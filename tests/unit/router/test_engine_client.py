@@ -144,8 +144,9 @@ def test_a_foreign_message_is_refused() -> None:
         decode_outputs(msgspec.msgpack.encode([{"key": 1, "outputs": "not a list"}]))
 
 
-async def test_a_request_crosses_the_inbox_intact_and_its_abort_follows_it(frontend) -> None:
-    """The real pair: the ingress's GroupChannel submits to a leader's RequestInbox, outputs come back."""
+async def test_a_request_crosses_the_inbox_intact_and_its_abort_follows_it(frontend, monkeypatch) -> None:
+    """The real pair: the ingress's GroupChannel submits to a leader's RequestInbox, outputs come back;
+    closing the channel cancels its attach call, which tells the leader to drop it."""
     from types import SimpleNamespace
 
     import msgspec
@@ -168,8 +169,21 @@ async def test_a_request_crosses_the_inbox_intact_and_its_abort_follows_it(front
         channel.put(msgspec.structs.replace(item, key=header.key))
 
     inbox = RequestInbox("127.0.0.1", submit, lambda key: arrived.append(("abort", key, None)))
-    never = SimpleNamespace(remote=lambda *args: asyncio.get_running_loop().create_future())  # a live leader
-    ingress = GroupChannel(SimpleNamespace(attach=never), "127.0.0.1", inbox.endpoint)
+    attach_calls: list[asyncio.Future[None]] = []
+
+    def attach(*args: Any) -> asyncio.Future[None]:  # a live leader: its attach call returns when the channel ends
+        attach_calls.append(asyncio.get_running_loop().create_future())
+        return attach_calls[-1]
+
+    cancelled_calls: list[Any] = []
+    attach_cancelled = asyncio.Event()
+
+    def cancel(ref: Any) -> None:  # stands in for ray.cancel, which takes only Ray object refs
+        cancelled_calls.append(ref)
+        attach_cancelled.set()
+
+    monkeypatch.setattr("flotilla.router.group_channel.ray.cancel", cancel)
+    ingress = GroupChannel(SimpleNamespace(attach=SimpleNamespace(remote=attach)), "127.0.0.1", inbox.endpoint)
     try:
         finished = [item async for item in ingress.stream(sent, "k1")]
         assert [item.generated_token_ids() for item in finished] == [[8, 9]]
@@ -188,6 +202,10 @@ async def test_a_request_crosses_the_inbox_intact_and_its_abort_follows_it(front
                 break
             await asyncio.sleep(0.01)
         assert [(kind, key) for kind, key, _ in arrived[1:]] == [("submit", "k2"), ("abort", "k2")]
+
+        ingress.close()
+        await asyncio.wait_for(attach_cancelled.wait(), timeout=10)
+        assert cancelled_calls == attach_calls and len(attach_calls) == 1
     finally:
         ingress.close()
         inbox.close()
