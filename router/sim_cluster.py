@@ -60,6 +60,14 @@ class _Event:
     payload: object = field(compare=False, default=None)
 
 
+@dataclass(slots=True)
+class _StepEnd:
+    engine: str
+    kv_events: list[tuple[str, tuple[int, ...]]]
+    first_tokens: list[SimRequest]
+    finished: list[SimRequest]
+
+
 class SimCluster:
     def __init__(self, router: Router, groups: int, config: SimEngineConfig, precise: bool = True) -> None:
         self.router = router
@@ -76,6 +84,7 @@ class SimCluster:
         self._order = itertools.count()
         self._busy: set[str] = set()
         self._changed: set[str] = set(self.engines)  # engines whose load the router has not seen yet
+        self._kv_events: list[tuple[str, tuple[int, ...]]] = []  # the running step's, delivered at its end
 
     def run(self, sessions: list[Session], concurrency: int) -> SimResult:
         """Serve every session, at most ``concurrency`` sessions at once; returns what it measured."""
@@ -108,32 +117,50 @@ class SimCluster:
         while self._queue:
             event = heapq.heappop(self._queue)
             now = event.time_s
-            engine = self.engines[str(event.payload)]
-            self._busy.discard(engine.name)
-            finished_before = len(engine.finished)
-            duration = engine.step(now)
-            self._changed.add(engine.name)
-            done = engine.finished[finished_before:]
-            for request in [*engine.running, *done]:
+            if event.kind == "step":
+                self._step(self.engines[str(event.payload)], now)
+                continue
+            # A step's end: what it produced becomes visible to the router, and finished sessions send their next
+            # turn, at this time and not at the step's start (the step's work is computed when it starts).
+            step_end = event.payload
+            assert isinstance(step_end, _StepEnd)
+            for kind, keys in step_end.kv_events:
+                if kind == "stored":
+                    self.router.index.record_stored(step_end.engine, keys)
+                else:
+                    self.router.index.record_removed(step_end.engine, keys)
+            for request in step_end.first_tokens:
                 decision = decisions.get(request.request_id)
-                if decision is not None and request.first_token_s is not None and not decision.first_token_seen:
+                if decision is not None and not decision.first_token_seen:
                     self.router.first_token(decision)
-            for request in done:
+            for request in step_end.finished:
                 self.router.finished(decisions.pop(request.request_id), request.output)
                 self._account(result, request)
                 session, turn_index = active.pop(request.request_id)
                 if turn_index + 1 < len(session.turns):
-                    submit(session, turn_index + 1, request.finished_s or now)
+                    submit(session, turn_index + 1, now)
                 elif pending:
-                    submit(pending.pop(), 0, request.finished_s or now)
-            if engine.name in self._busy:  # a turn submitted above woke it (at the step's end) already
-                pass
-            elif duration > 0:
-                self._schedule(engine, now + duration)
-            elif engine.has_work():  # blocked on KV space with nothing running cannot happen; guard anyway
-                raise RuntimeError(f"{engine.name} cannot make progress")
+                    submit(pending.pop(), 0, now)
             result.makespan_s = max(result.makespan_s, now)
         return result
+
+    def _step(self, engine: SimEngine, now: float) -> None:
+        """Run ``engine``'s step starting at ``now``; its results arrive at its end, just before its next step."""
+        self._busy.discard(engine.name)
+        finished_before = len(engine.finished)
+        no_token_yet = [request for request in [*engine.running, *engine.waiting] if request.first_token_s is None]
+        self._kv_events = []
+        duration = engine.step(now)
+        self._changed.add(engine.name)
+        done = engine.finished[finished_before:]
+        first_tokens = [request for request in no_token_yet if request.first_token_s is not None]
+        if duration > 0 or self._kv_events:
+            step_end = _StepEnd(engine.name, self._kv_events, first_tokens, done)
+            heapq.heappush(self._queue, _Event(now + duration, next(self._order), "step_end", step_end))
+        if duration > 0:
+            self._schedule(engine, now + duration)
+        elif engine.has_work():  # blocked on KV space with nothing running cannot happen; guard anyway
+            raise RuntimeError(f"{engine.name} cannot make progress")
 
     def _account(self, result: SimResult, request: SimRequest) -> None:
         result.requests += 1
@@ -158,8 +185,4 @@ class SimCluster:
         self._changed.clear()
 
     def _on_events(self, group: str, events: list[KvEvent]) -> None:
-        for event in events:
-            if event.kind == "stored":
-                self.router.index.record_stored(group, event.keys)
-            else:
-                self.router.index.record_removed(group, event.keys)
+        self._kv_events.extend((event.kind, event.keys) for event in events)

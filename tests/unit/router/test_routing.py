@@ -159,6 +159,18 @@ def warm_then_hot(prompts: int) -> list[Session]:
     return [Session([Turn(first.prompt, first.output)] + [s.turns[0] for s in sessions[1:2]])] + sessions[2:]
 
 
+def test_the_simulator_serves_no_request_before_it_arrives() -> None:
+    """A turn is sent when the previous one finishes (a step's end), not when that step starts: an engine already
+    stepping must not compute a request that has not arrived, so every TTFT is at least one step long."""
+    sessions = shared_prefix(VOCAB, groups=6, prompts_per_group=8, system_len=1024, question_len=64, output_len=16)
+    config = SimEngineConfig(num_blocks=32)
+    cluster = SimCluster(Router(make_policy("cache_aware"), BLOCK), groups=2, config=config, precise=True)
+    result = cluster.run(sessions, 8)
+    assert result.requests == len(sessions)
+    shortest_step = config.step_overhead_s + config.decode_s_per_seq
+    assert min(result.ttft_s) >= shortest_step, min(result.ttft_s)
+
+
 @pytest.mark.parametrize(("policy", "spreads"), [("cache_aware", True), ("prefix_only", False)])
 def test_a_hot_prefix_spreads_beyond_its_first_holder(policy: str, spreads: bool) -> None:
     r = Router(make_policy(policy), BLOCK)
