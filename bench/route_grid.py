@@ -11,7 +11,9 @@ prefix count and length, output length, concurrency, skew, and seeds. Workloads:
 * ``zipf``: the same with prefix popularity skewed (Zipf 1.2);
 * ``multiturn``: chats whose next turn extends the previous prompt and answer, behind one system prompt;
 * ``hot``: one prefix shared by every request (spreading it is what keeps throughput);
-* ``nosharing``: unrelated prompts (routing can only balance).
+* ``nosharing``: unrelated prompts (routing can only balance);
+* ``mixed``: shared prefixes among as many unrelated prompts (what a group's cache holds is mostly
+  prompts never asked again).
 
 Per cell and policy: engine-side hit rate, TTFT p50/p99, output tokens/s; the summary compares each
 policy to ``prefix_only`` (the pure-affinity baseline) over every cell, and each policy's hit rate to
@@ -34,7 +36,7 @@ from functools import partial
 
 from bench.common import RESULTS, percentile, publish
 from bench.oracle import StaticOracle, oracle_assignment
-from bench.workloads import hot_prefix, multi_turn, no_sharing, optimal_hit_rate, shared_prefix
+from bench.workloads import hot_prefix, interleave, multi_turn, no_sharing, optimal_hit_rate, shared_prefix
 from flotilla.router.policies import make_policy
 from flotilla.router.routing import Router
 from flotilla.router.sim_cluster import Session, SimCluster
@@ -91,6 +93,20 @@ def grid(seeds: list[int]) -> list[Cell]:
             Cell(f"hot, 4g, c8, s{seed}", 4, 48, 8, hot_prefix(VOCAB, 64, 1024, 64, 16, seed=seed)),
             Cell(f"hot 2048 tok, 4g, c16, s{seed}", 4, 96, 16, hot_prefix(VOCAB, 96, 2048, 64, 16, seed=seed)),
             Cell(f"nosharing, 4g, c8, s{seed}", 4, 48, 8, no_sharing(VOCAB, 64, 1088, 16, seed=seed)),
+            Cell(
+                f"mixed: 6 prefixes + unique prompts, 2g, c8, s{seed}",
+                2,
+                48,
+                8,
+                interleave(shared(6, 12, 1024, 64, 16), no_sharing(VOCAB, 36, 1088, 16, seed=seed + 100), seed=seed),
+            ),
+            Cell(
+                f"mixed: 12 prefixes + unique prompts, 4g, c16, s{seed}",
+                4,
+                48,
+                16,
+                interleave(shared(12, 8, 1024, 64, 16), no_sharing(VOCAB, 48, 1088, 16, seed=seed + 100), seed=seed),
+            ),
         ]
     return cells
 

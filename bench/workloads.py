@@ -75,6 +75,13 @@ def no_sharing(vocab: Sequence[int], prompts: int, prompt_len: int, output_len: 
     return [Session([Turn(_tokens(rng, vocab, prompt_len), _tokens(rng, vocab, output_len))]) for _ in range(prompts)]
 
 
+def interleave(*workloads: Sequence[Session], seed: int = 0) -> list[Session]:
+    """The sessions of every workload, shuffled together (e.g. shared prefixes among unrelated prompts)."""
+    sessions = [session for workload in workloads for session in workload]
+    random.Random(seed).shuffle(sessions)
+    return sessions
+
+
 def optimal_hit_rate(sessions: Sequence[Session], block_size: int) -> float:
     """Upper bound on the engine-side hit rate: every distinct full block computed once in the cluster.
 

@@ -138,10 +138,10 @@ class Router:
             )
         started = self._clock()
         matches = self.index.match(self._keyer.iter_keys(prompt_token_ids))  # hashes only as far as it matches
-        request = RoutingRequest(request_id, prompt_token_ids, self.block_size)
+        head = self._head(prompt_token_ids)
+        request = RoutingRequest(request_id, prompt_token_ids, self.block_size, head=head)
         matched = _candidate_column(rows, {self._rows[name]: depth for name, depth in matches.items()})
         best = int(matched.max())
-        head = self._head(prompt_token_ids)
         prefilling = _candidate_column(rows, self._prefilling.get(head, {}) if head is not None else {})
         pick = slice(0, len(rows)) if rows[-1] == len(rows) - 1 else rows  # all live: views, no copies
         candidates = Candidates(
@@ -153,9 +153,12 @@ class Router:
             matched_blocks=matched,
             free_blocks=self._capacity[pick] - self.index.held[self._slot[pick]],
             prefilling=prefilling,
+            capacity_blocks=self._capacity[pick],
+            group_ids=rows,
         )
         choice = self.policy.choose(request, candidates)
         row = int(rows[choice])
+        request.group_id = row
         name = self._names[row]
         chosen_matched = int(matched[choice])
         uncached = max(0, request.prompt_tokens - chosen_matched * self.block_size)

@@ -24,6 +24,11 @@ class RoutingRequest:
     block_keys: list[int] = field(default_factory=list)
     """vLLM-compatible keys of the prompt's full blocks; filled once the prompt is prefilled
     (routing hashes only as far as some group's cache matches)."""
+    head: int | None = None
+    """The prompt's first full block, hashed (None for a prompt shorter than a block): which shared prefix
+    the request begins with, as far as a policy tracking prefixes needs to know."""
+    group_id: int = -1
+    """The router's id of the group the request was sent to (:attr:`Candidates.group_ids`), once routed."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -50,6 +55,11 @@ class Candidates:
     prefilling: np.ndarray
     """This router's requests on each group that begin with this request's first block and have no first token
     yet: that group is computing the prefix now, and its index learns of it only once the prefill is done."""
+    capacity_blocks: np.ndarray
+    """KV blocks each group's cache has."""
+    group_ids: np.ndarray
+    """The router's id of each group, ascending and stable while the router lives (rows move as groups leave
+    or are excluded): how a policy remembers groups across requests."""
 
     @property
     def outstanding(self) -> np.ndarray:

@@ -1,14 +1,25 @@
 """Cache-aware: the group where the request's first token comes soonest, cached prefix included,
 without trading other prefixes' cache for it.
 
-Per request, in four steps:
+Per request, in five steps:
 
-1. **Filter saturated groups.** A group is saturated when it carries more than ``balance_abs`` +
+1. **Keep a prefix on its owners** (``keep_prefix_owners``, `router/policies/prefix_owners.py`). A
+   prefix (the prompt's first block) is owned by the groups it was routed to while they hold, prefill
+   or run it; its requests may go only to its owners and to groups with room for another copy beside
+   the prefixes they own. Where every group's cache is short of the prefixes in flight, the costs
+   below, judging one request at a time, send some requests to a group that must compute their prefix
+   again and evict another there, whose requests then miss in turn; owners keep the offline oracle's
+   placement instead. A hot prefix (more requests in flight than ``hot_share`` × a group's fair share
+   per owner) is not restricted and spreads. (Measured on the simulated grid, 8 seeds, 248 cells: 181
+   cells at ≥ 0.97× the best of ``prefix_only`` and the oracle against 166 without, TTFT p50 0.867×
+   ``prefix_only``'s against 0.898×, p99 0.951× against 0.958×.)
+2. **Filter saturated groups.** A group is saturated when it carries more than ``balance_abs`` +
    ``balance_rel`` × the least loaded group's outstanding requests (or, if enabled, its KV cache
-   is nearly full: ``kv_saturation``). Saturated groups get no traffic while another group is not
-   saturated, so affinity never piles onto a busy group — and a hot prefix, once its holder is
-   saturated, spreads to the next group, which then holds it too.
-2. **Score** every remaining group by the work ahead of this request's first token, and the cache
+   is nearly full: ``kv_saturation``). Saturated groups get no traffic while another allowed group is
+   not saturated, so affinity never piles onto a busy group — and a hot prefix, once its holder is
+   saturated, spreads to the next group, which then holds it too. (An owner that is saturated keeps
+   its prefix when no other group has room for it: a short wait beats evicting another prefix.)
+3. **Score** every remaining group by the work ahead of this request's first token, and the cache
    it would cost, in prompt-token units::
 
        cost = pending_prefill_tokens + (prompt_tokens − matched_blocks × block_size)
@@ -22,7 +33,7 @@ Per request, in four steps:
    pressure each of those is another prefix some later request misses. Misses therefore go to the
    least-loaded group (not to the group with the smallest cache, which piles new work onto busy
    groups), preferring one with room for them.
-3. **Follow a prefill in progress.** A request no group's index holds any block of may share its
+4. **Follow a prefill in progress.** A request no group's index holds any block of may share its
    prefix with a request another group is prefilling right now (the index learns of blocks only once
    their prefill is done). Where computing that prefix again would evict cached blocks (the prompt
    needs more blocks than a group has free), such a group is passed over for one prefilling the same
@@ -30,7 +41,7 @@ Per request, in four steps:
    spreads. (Measured on the simulated grid: the worst cell's hit rate went from 0.825× to 0.869×
    ``prefix_only``'s; following always, regardless of room, cost the hot-prefix and multi-turn
    cells up to 4.4× their TTFT p50.)
-4. **Pick** the cheapest; equal costs take turns in the order groups joined (deterministic, yet fair).
+5. **Pick** the cheapest; equal costs take turns in the order groups joined (deterministic, yet fair).
 
 Why the KV-usage filter is off by default (``kv_saturation`` 1.0): when requests share long
 prefixes, the KV cache of a busy group is nearly full of the running requests' blocks most of the
@@ -46,6 +57,7 @@ import numpy as np
 from pydantic import Field
 
 from flotilla.router.policies.base import Candidates, PolicyParams, RoutingPolicy, RoutingRequest, TieBreaker
+from flotilla.router.policies.prefix_owners import PrefixOwners
 
 
 class CacheAwareParams(PolicyParams):
@@ -92,6 +104,29 @@ class CacheAwareParams(PolicyParams):
         ),
     )
 
+    keep_prefix_owners: bool = Field(
+        True,
+        description=(
+            "Keep a reused prefix on the groups that hold it while no other group has room for another copy beside "
+            "the prefixes it owns (router/policies/prefix_owners.py); off: every request is judged by the costs alone."
+        ),
+    )
+    private_blocks: float = Field(
+        2.0,
+        ge=0,
+        description=(
+            "Blocks each request in flight on a group takes beyond its shared prefix (its suffix and output), when "
+            "judging whether that group has room for another copy of a prefix."
+        ),
+    )
+    hot_share: float = Field(
+        1.5,
+        gt=0,
+        description=(
+            "A prefix whose requests in flight exceed hot_share × a group's fair share of all requests in flight, per "
+            "group owning it, may go anywhere the costs say: a hot prefix spreads, one more group at a time."
+        ),
+    )
     follow_prefill: bool = Field(
         True,
         description=(
@@ -112,19 +147,31 @@ class CacheAwarePolicy(RoutingPolicy):
         assert isinstance(self.params, CacheAwareParams)
         self.p: CacheAwareParams = self.params
         self._ties = TieBreaker()
+        self.owners = PrefixOwners(self.p.private_blocks, self.p.hot_share) if self.p.keep_prefix_owners else None
 
     def choose(self, request: RoutingRequest, groups: Candidates) -> int:
+        """The cheapest allowed group; the choice is recorded as routed (the router sends every chosen request)."""
         outstanding = groups.outstanding
         cost = self.costs(request, groups, outstanding)
+        allowed = self.owners.allowed(request, groups, outstanding) if self.owners else None
         saturated = self.saturated(groups, outstanding)
-        if saturated.any() and not saturated.all():
+        if allowed is not None:  # only the prefix's owners and the groups with room for another copy
+            cost[~allowed] = np.inf
+        if (np.isfinite(cost) & ~saturated).any():
             cost[saturated] = np.inf
         if self.p.follow_prefill and not groups.matched_blocks.any():
             prefilling = groups.prefilling > 0
             if (prefilling & np.isfinite(cost)).any():
                 prompt_blocks = -(-request.prompt_tokens // request.block_size)
                 cost[~prefilling & (prompt_blocks > groups.free_blocks)] = np.inf
-        return self._ties.pick(np.flatnonzero(cost == cost.min()))
+        choice = self._ties.pick(np.flatnonzero(cost == cost.min()))
+        if self.owners:
+            self.owners.routed(request, groups, choice)
+        return choice
+
+    def on_finished(self, request: RoutingRequest, group: str) -> None:
+        if self.owners:
+            self.owners.finished(request)
 
     def saturated(self, groups: Candidates, outstanding: np.ndarray) -> np.ndarray:
         limit = self.p.balance_abs + self.p.balance_rel * outstanding.min()
