@@ -7,8 +7,8 @@ it with ``PUT /admin/routing``, empty every engine's prefix cache, then run vLLM
 client (``vllm.benchmarks.serve``, the code behind ``vllm bench serve``) with the same seed, so
 each policy sees the same prompts in the same order. Hit rate comes from the engines' own
 prefix-cache counters (``vllm:prefix_cache_hits_total`` / ``queries_total`` in ``/metrics``),
-not from the router's belief. ``cache_aware (previous)`` is the policy as it was before it sent a
-request no group holds to a group already prefilling its first block (``follow_prefill: false``).
+not from the router's belief. ``cache_aware (previous)`` is the policy as it was before it kept a
+prefix on the groups owning it (``keep_prefix_owners: false``).
 
 The peers, in the same run, on engines with the same settings (2 engines, ``--blocks`` each, one
 OpenMP thread): ``sglang``, SGLang's gateway (``cache_aware``) in front of 2 vLLM OpenAI servers;
@@ -40,7 +40,7 @@ POLICIES: list[tuple[str, str, dict[str, float]]] = [
     ("round_robin", "round_robin", {}),
     ("prefix_only", "prefix_only", {}),
     ("cache_aware", "cache_aware", {}),
-    ("cache_aware (previous)", "cache_aware", {"follow_prefill": 0.0}),
+    ("cache_aware (previous)", "cache_aware", {"keep_prefix_owners": 0.0}),
 ]
 
 
