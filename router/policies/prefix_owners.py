@@ -131,7 +131,7 @@ class PrefixOwners:
     def _expire(self, group: int, capacity_blocks: int) -> None:
         """Drop the prefixes whose last use on ``group`` is a cache's worth of new blocks ago: evicted by now."""
         last_use = self._last_use[group]
-        while last_use:
+        for _ in range(len(last_use)):  # bounded: an entry in use moves to the end, and a cache may hold 0 blocks
             head, at = next(iter(last_use.items()))
             if self._inflow[group] - at < capacity_blocks:
                 break

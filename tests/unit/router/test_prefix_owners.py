@@ -92,3 +92,13 @@ def test_ownership_lapses_once_a_cache_worth_of_new_blocks_went_to_the_group() -
     assert owners_of(r, PROMPT) == ["a"]  # 21 blocks went to a, 14 of them after PROMPT
     r.finished(r.route("unique-2", [300] * len(PROMPT)), [])
     assert owners_of(r, PROMPT) == []
+
+
+def test_a_group_reporting_no_kv_blocks_does_not_stall_routing() -> None:
+    """A leader whose engine reported no block count registers 0 blocks: every owned prefix is a cache's worth
+    old at once, and one still in flight must not keep the expiry going round."""
+    r = Router(make_policy("cache_aware"), BLOCK)
+    r.add_group("a", 0)
+    r.route("first", PROMPT)  # stays in flight
+    assert r.route("second", PROMPT).group == "a"
+    assert owners_of(r, PROMPT) == ["a"]
