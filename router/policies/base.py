@@ -34,6 +34,11 @@ class RoutingRequest:
     def prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def prompt_blocks(self) -> int:
+        """KV blocks the prompt fills, the last one partly."""
+        return -(-len(self.prompt_token_ids) // self.block_size)
+
 
 @dataclass(slots=True)
 class Candidates:

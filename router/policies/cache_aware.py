@@ -162,8 +162,7 @@ class CacheAwarePolicy(RoutingPolicy):
         if self.p.follow_prefill and not groups.matched_blocks.any():
             prefilling = groups.prefilling > 0
             if (prefilling & np.isfinite(cost)).any():
-                prompt_blocks = -(-request.prompt_tokens // request.block_size)
-                cost[~prefilling & (prompt_blocks > groups.free_blocks)] = np.inf
+                cost[~prefilling & (request.prompt_blocks > groups.free_blocks)] = np.inf
         choice = self._ties.pick(np.flatnonzero(cost == cost.min()))
         if self.owners:
             self.owners.routed(request, groups, choice)
@@ -185,7 +184,6 @@ class CacheAwarePolicy(RoutingPolicy):
         if self.p.duplicate_weight:
             cost += self.p.duplicate_weight * (matched_tokens.max() - matched_tokens)
         if self.p.eviction_weight:
-            prompt_blocks = -(-request.prompt_tokens // request.block_size)
-            evicted = np.maximum(0, prompt_blocks - groups.matched_blocks - groups.free_blocks)
+            evicted = np.maximum(0, request.prompt_blocks - groups.matched_blocks - groups.free_blocks)
             cost += self.p.eviction_weight * request.block_size * evicted
         return cost

@@ -82,7 +82,7 @@ class PrefixOwners:
         head = request.head
         if head is None:
             return
-        prompt_blocks = -(-request.prompt_tokens // request.block_size)
+        prompt_blocks = request.prompt_blocks
         prefix = self._prefixes.get(head)
         if prefix is None:
             prefix = self._prefixes[head] = _Prefix(blocks=max(1, prompt_blocks - 1))
