@@ -4,7 +4,8 @@ Every cell runs the same sessions through each policy on ``SimCluster`` (``route
 vLLM-like paged KV cache with prefix caching, LRU eviction, KV events), in virtual time, so a grid of
 dozens of cells takes seconds and is deterministic. The grid varies what the real-engine benchmark
 (``bench/route_bench.py``) cannot afford to on two CPU cores: groups (2–8), KV blocks per group,
-prefix count and length, output length, concurrency, skew, and seeds. Workloads:
+prefix count and length, output length, concurrency or request rate (open loop, Poisson arrivals),
+skew, and seeds. Workloads:
 
 * ``prefix_repetition``: vLLM ``bench serve``'s dataset of that name (a few long shared prefixes,
   short unique suffixes, shuffled), sized so the prefixes fit the groups together but not one;
@@ -47,6 +48,10 @@ BLOCK = 128
 VOCAB = list(range(100, 30000))
 BASELINE = "prefix_only"
 ORACLE = "oracle"
+# Open-loop cells: request rates where prefix-aware routing keeps up (the lower) and where the groups queue (the
+# higher) on the simulated engine; a cached request takes ~40 ms, an uncached 1088-token prefill ~550 ms.
+OPEN_LOOP_RATES = {(2, 32): (10.0,), (2, 48): (5.0, 10.0), (4, 48): (10.0, 20.0)}
+OPEN_LOOP_MAX_CONCURRENCY = 64  # the engines' max_num_seqs: in effect no client-side cap
 TARGET_HIT_RATIO = 0.97  # issue 15: hit rate ≥ 0.97× the best of prefix_only and the oracle, on every cell
 
 
@@ -56,7 +61,11 @@ class Cell:
     groups: int
     blocks: int
     concurrency: int
+    """Sessions at once: all of them closed-loop; with ``request_rate``, the most in flight (arrivals wait)."""
     sessions: list[Session]
+    request_rate: float | None = None
+    """Open loop: sessions arriving per second (Poisson), as ``vllm bench serve --request-rate`` sends them."""
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,9 @@ def grid(seeds: list[int]) -> list[Cell]:
             for concurrency in (4, 8, 16):
                 name = f"prefix_repetition {groups}g × {blocks} blocks, {prefixes} × 1024 tok, c{concurrency}, s{seed}"
                 cells.append(Cell(name, groups, blocks, concurrency, sessions))
+            for rate in OPEN_LOOP_RATES.get((groups, blocks), ()):
+                name = f"prefix_repetition {groups}g × {blocks} blocks, {prefixes} × 1024 tok, {rate:g} req/s, s{seed}"
+                cells.append(Cell(name, groups, blocks, OPEN_LOOP_MAX_CONCURRENCY, sessions, rate, seed))
         shared = partial(shared_prefix, VOCAB, seed=seed)
         cells += [
             Cell(f"prefix_repetition, 128 out, 2g, c8, s{seed}", 2, 48, 8, shared(6, 12, 1024, 64, 128)),
@@ -113,7 +125,8 @@ def grid(seeds: list[int]) -> list[Cell]:
 
 def run(cell: Cell, make: Callable[[Cell], Router]) -> Outcome:
     config = SimEngineConfig(block_size=BLOCK, num_blocks=cell.blocks, max_num_seqs=64)
-    result = SimCluster(make(cell), cell.groups, config, precise=True).run(cell.sessions, cell.concurrency)
+    cluster = SimCluster(make(cell), cell.groups, config, precise=True)
+    result = cluster.run(cell.sessions, cell.concurrency, cell.request_rate, cell.seed)
     ttft = sorted(result.ttft_s)
     return Outcome(result.hit_rate, percentile(ttft, 50) * 1e3, percentile(ttft, 99) * 1e3, result.throughput_tokens_s)
 

@@ -7,7 +7,9 @@ it with ``PUT /admin/routing``, empty every engine's prefix cache, then run vLLM
 client (``vllm.benchmarks.serve``, the code behind ``vllm bench serve``) with the same seed, so
 each policy sees the same prompts in the same order. Hit rate comes from the engines' own
 prefix-cache counters (``vllm:prefix_cache_hits_total`` / ``queries_total`` in ``/metrics``),
-not from the router's belief. ``cache_aware (previous)`` is the policy as it was before it kept a
+not from the router's belief. Workloads ``c4``, ``c8`` and ``short`` run closed-loop at their concurrency;
+``rate`` sends requests open-loop, at 2 per second (Poisson), at most 16 in flight.
+``cache_aware (previous)`` is the policy as it was before it kept a
 prefix on the groups owning it (``keep_prefix_owners: false``).
 
 The peers, in the same run, on engines with the same settings (2 engines, ``--blocks`` each, one
@@ -15,7 +17,7 @@ OpenMP thread): ``sglang``, SGLang's gateway (``cache_aware``) in front of 2 vLL
 ``ray``, Ray Serve LLM with 2 replicas and its ``PrefixCacheAffinityRouter``. Their prefix caches
 are emptied before each workload too, and their hit rates are the engines' counters as well.
 
-    python -m bench.route_live [--blocks 48] [--workloads c4,c8,short] [--arms flotilla,sglang,ray]
+    python -m bench.route_live [--blocks 48] [--workloads c4,c8,short,rate] [--arms flotilla,sglang,ray]
 """
 
 from __future__ import annotations
@@ -53,12 +55,16 @@ class Workload:
     output_len: int
     prompts: int
     concurrency: int
+    """At most this many requests in flight (``--max-concurrency``)."""
+    request_rate: float | None = None
+    """Open loop: requests sent at this Poisson rate per second (``--request-rate``), still capped by concurrency."""
 
 
 WORKLOADS = {
     "c4": Workload("6 × 1024-token prefixes + 64, 16 out, c4", 1024, 64, 6, 16, 72, 4),
     "c8": Workload("6 × 1024-token prefixes + 64, 16 out, c8", 1024, 64, 6, 16, 96, 8),
     "short": Workload("12 × 512-token prefixes + 128, 32 out, c4", 512, 128, 12, 32, 72, 4),
+    "rate": Workload("6 × 1024-token prefixes + 64, 16 out, 2 req/s, ≤ 16", 1024, 64, 6, 16, 96, 16, 2.0),
 }
 
 
@@ -86,6 +92,7 @@ def bench_serve(url: str, workload: Workload, seed: int) -> dict[str, Any]:
         "--prefix-repetition-num-prefixes", str(workload.prefixes),
         "--prefix-repetition-output-len", str(workload.output_len), "--ignore-eos",
         "--num-prompts", str(workload.prompts), "--max-concurrency", str(workload.concurrency),
+        *(["--request-rate", str(workload.request_rate)] if workload.request_rate else []),
         "--seed", str(seed), "--percentile-metrics", "ttft", "--metric-percentiles", "50,99", "--disable-tqdm",
     ]  # fmt: skip
     result: dict[str, Any] = main(parser.parse_args(argv))

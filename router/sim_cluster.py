@@ -1,16 +1,19 @@
 """Many simulated groups behind one :class:`router.routing.Router`, in virtual time.
 
-Used to test and benchmark routing at scale: groups are :class:`SimEngine` instances, requests
+Used to test and benchmark routing at scale: groups are :class:`SimEngine` instances, sessions
 arrive closed-loop (a fixed number of sessions each sending its next turn when the previous
-one finishes), the router sees the engines' load as they report it and, in precise mode, their
-KV events. Decision latency is measured in real time around ``Router.route``.
+one finishes) or open-loop (sessions start at Poisson arrivals, as ``vllm bench serve
+--request-rate`` sends them), the router sees the engines' load as they report it and, in precise
+mode, their KV events. Decision latency is measured in real time around ``Router.route``.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from flotilla.router.routing import Decision, EngineLoad, Router
@@ -86,9 +89,17 @@ class SimCluster:
         self._changed: set[str] = set(self.engines)  # engines whose load the router has not seen yet
         self._kv_events: list[tuple[str, tuple[int, ...]]] = []  # the running step's, delivered at its end
 
-    def run(self, sessions: list[Session], concurrency: int) -> SimResult:
-        """Serve every session, at most ``concurrency`` sessions at once; returns what it measured."""
+    def run(
+        self, sessions: list[Session], concurrency: int, request_rate: float | None = None, seed: int = 0
+    ) -> SimResult:
+        """Serve every session, at most ``concurrency`` sessions at once; returns what it measured.
+
+        Closed loop (``request_rate`` None): every session is there from the start and the next one starts when
+        one ends. Open loop: sessions arrive at ``request_rate`` per second (exponential gaps drawn from ``seed``)
+        and wait for a free slot where ``concurrency`` are active; a request's TTFT counts from when it is sent.
+        """
         pending = list(reversed(sessions))
+        arrived: deque[Session] = deque()  # sessions that arrived and wait for a slot
         active: dict[str, tuple[Session, int]] = {}
         decisions: dict[str, Decision] = {}
         result = SimResult(0, 0, 0, [], 0.0, 0, [], {name: 0 for name in self.engines})
@@ -112,13 +123,27 @@ class SimCluster:
             result.requests_per_group[engine.name] += 1
             self._wake(engine, at_s)
 
-        for _ in range(min(concurrency, len(pending))):
-            submit(pending.pop(), 0, now)
+        if request_rate is None:
+            arrived.extend(reversed(pending))
+            pending.clear()
+            while arrived and len(active) < concurrency:
+                submit(arrived.popleft(), 0, now)
+        else:
+            gaps = random.Random(seed)
+            at_s = 0.0
+            for _ in pending:
+                heapq.heappush(self._queue, _Event(at_s, next(self._order), "arrival"))
+                at_s += gaps.expovariate(request_rate)
         while self._queue:
             event = heapq.heappop(self._queue)
             now = event.time_s
             if event.kind == "step":
                 self._step(self.engines[str(event.payload)], now)
+                continue
+            if event.kind == "arrival":
+                arrived.append(pending.pop())
+                if len(active) < concurrency:
+                    submit(arrived.popleft(), 0, now)
                 continue
             # A step's end: what it produced becomes visible to the router, and finished sessions send their next
             # turn, at this time and not at the step's start (the step's work is computed when it starts).
@@ -139,8 +164,8 @@ class SimCluster:
                 session, turn_index = active.pop(request.request_id)
                 if turn_index + 1 < len(session.turns):
                     submit(session, turn_index + 1, now)
-                elif pending:
-                    submit(pending.pop(), 0, now)
+                elif arrived:
+                    submit(arrived.popleft(), 0, now)
             result.makespan_s = max(result.makespan_s, now)
         return result
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -169,6 +170,28 @@ def test_the_simulator_serves_no_request_before_it_arrives() -> None:
     assert result.requests == len(sessions)
     shortest_step = config.step_overhead_s + config.decode_s_per_seq
     assert min(result.ttft_s) >= shortest_step, min(result.ttft_s)
+
+
+def test_open_loop_sessions_start_at_their_arrivals_and_wait_for_a_free_slot() -> None:
+    """``request_rate``: sessions arrive at Poisson times drawn from the seed; where the cap is reached they wait, and
+    their TTFT counts from when they are sent (as ``vllm bench serve --request-rate --max-concurrency``)."""
+    sessions = shared_prefix(VOCAB, groups=3, prompts_per_group=4, system_len=512, question_len=64, output_len=8)
+
+    def run(concurrency: int, request_rate: float | None) -> Any:
+        cluster = SimCluster(Router(make_policy("cache_aware"), BLOCK), 2, SimEngineConfig(num_blocks=64), True)
+        return cluster.run(sessions, concurrency, request_rate, seed=3)
+
+    closed_one_at_a_time = run(1, None)
+    flood_capped_at_one = run(1, 1e9)  # every session arrives at once and waits its turn
+    assert flood_capped_at_one.ttft_s == closed_one_at_a_time.ttft_s
+    assert flood_capped_at_one.hit_rate == closed_one_at_a_time.hit_rate
+
+    gaps = random.Random(3)
+    last_arrival_s = sum(gaps.expovariate(0.5) for _ in sessions[1:])
+    sparse = run(64, 0.5)
+    assert sparse.requests == len(sessions)
+    assert last_arrival_s < sparse.makespan_s < last_arrival_s + max(closed_one_at_a_time.ttft_s) + 1.0
+    assert sparse.makespan_s > 5 * closed_one_at_a_time.makespan_s  # the arrivals, not the engines, set the pace
 
 
 @pytest.mark.parametrize(("policy", "spreads"), [("cache_aware", True), ("prefix_only", False)])
