@@ -2,7 +2,7 @@
 
 Every cell runs the same sessions through each policy on ``SimCluster`` (``router/sim_engine.py``:
 vLLM-like paged KV cache with prefix caching, LRU eviction, KV events), in virtual time, so a grid of
-dozens of cells takes seconds and is deterministic. The grid varies what the real-engine benchmark
+dozens of cells takes minutes and is deterministic. The grid varies what the real-engine benchmark
 (``bench/route_bench.py``) cannot afford to on two CPU cores: groups (2–8), KV blocks per group,
 prefix count and length, output length, concurrency or request rate (open loop, Poisson arrivals),
 skew, and seeds. Workloads:
