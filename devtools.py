@@ -135,3 +135,7 @@ class Load:
 
     def answered_since(self, t0: float) -> int:
         return sum(1 for o in self.outcomes if o.ended >= t0)
+
+    def served_after(self, t0: float) -> int:
+        """Requests sent at or after ``t0`` and answered 200: the load carried by what was left after a fault."""
+        return sum(1 for o in self.outcomes if o.started >= t0 and o.status == 200)

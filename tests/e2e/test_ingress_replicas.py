@@ -207,17 +207,16 @@ def test_killing_an_ingress_replica_under_load_fails_only_requests_in_flight_on_
         # what it took then was in flight on it too. The load is counted from its death on.
         assert wait_for(lambda: dead(pid), 30, interval_s=0.005), "the replica outlived SIGKILL"
         killed_at = time.time()
-        assert wait_for(lambda: load.answered_since(killed_at) >= 40, 180), "the load stalled after the kill"
+        assert wait_for(lambda: load.served_after(killed_at) >= 40, 180), "the other replica did not carry the load"
     assert load.in_flight() == 0
     # Each client loses at most the one request it had on the victim. Known gap, not hidden: CI saw, in
     # two runs, one request sent just after the death answered 500 by HAProxy (Ray's 502/503 page) before
     # it took the dead replica out; so a request sent right after the death may be that lost one.
     lost = load.failures()
     assert len(lost) <= load.concurrency, lost
-    after = [o for o in load.outcomes if o.started >= killed_at and o.status == 200]
-    assert len(after) >= 40, "the other replica did not carry the load"
     wait_replaced(ports[1], victim)
-    print(f"ingress replica killed: {len(lost)} request(s) in flight on it failed, {len(after)} after it all answered")
+    after = load.served_after(killed_at)
+    print(f"ingress replica killed: {len(lost)} request(s) in flight on it failed, {after} sent after it answered")
 
 
 def dead(pid: int) -> bool:
