@@ -124,7 +124,7 @@ class SimCluster:
             self._wake(engine, at_s)
 
         if request_rate is None:
-            arrived.extend(reversed(pending))
+            arrived.extend(sessions)
             pending.clear()
             while arrived and len(active) < concurrency:
                 submit(arrived.popleft(), 0, now)
