@@ -98,7 +98,6 @@ class SimCluster:
         one ends. Open loop: sessions arrive at ``request_rate`` per second (exponential gaps drawn from ``seed``)
         and wait for a free slot where ``concurrency`` are active; a request's TTFT counts from when it is sent.
         """
-        pending = list(reversed(sessions))
         arrived: deque[Session] = deque()  # sessions that arrived and wait for a slot
         active: dict[str, tuple[Session, int]] = {}
         decisions: dict[str, Decision] = {}
@@ -125,14 +124,13 @@ class SimCluster:
 
         if request_rate is None:
             arrived.extend(sessions)
-            pending.clear()
             while arrived and len(active) < concurrency:
                 submit(arrived.popleft(), 0, now)
         else:
             gaps = random.Random(seed)
             at_s = 0.0
-            for _ in pending:
-                heapq.heappush(self._queue, _Event(at_s, next(self._order), "arrival"))
+            for session in sessions:
+                heapq.heappush(self._queue, _Event(at_s, next(self._order), "arrival", session))
                 at_s += gaps.expovariate(request_rate)
         while self._queue:
             event = heapq.heappop(self._queue)
@@ -141,7 +139,8 @@ class SimCluster:
                 self._step(self.engines[str(event.payload)], now)
                 continue
             if event.kind == "arrival":
-                arrived.append(pending.pop())
+                assert isinstance(event.payload, Session)
+                arrived.append(event.payload)
                 if len(active) < concurrency:
                     submit(arrived.popleft(), 0, now)
                 continue

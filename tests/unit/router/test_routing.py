@@ -12,7 +12,7 @@ from flotilla.router.block_keys import block_keys
 from flotilla.router.policies import Candidates, RoutingRequest, make_policy
 from flotilla.router.routing import EngineLoad, Router
 from flotilla.router.settings import RoutingConfig
-from flotilla.router.sim_cluster import Session, SimCluster, Turn
+from flotilla.router.sim_cluster import Session, SimCluster, SimResult, Turn
 from flotilla.router.sim_engine import SimEngineConfig
 
 BLOCK = 128
@@ -177,7 +177,7 @@ def test_open_loop_sessions_start_at_their_arrivals_and_wait_for_a_free_slot() -
     their TTFT counts from when they are sent (as ``vllm bench serve --request-rate --max-concurrency``)."""
     sessions = shared_prefix(VOCAB, groups=3, prompts_per_group=4, system_len=512, question_len=64, output_len=8)
 
-    def run(concurrency: int, request_rate: float | None) -> Any:
+    def run(concurrency: int, request_rate: float | None) -> SimResult:
         cluster = SimCluster(Router(make_policy("cache_aware"), BLOCK), 2, SimEngineConfig(num_blocks=64), True)
         return cluster.run(sessions, concurrency, request_rate, seed=3)
 
