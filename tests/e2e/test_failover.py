@@ -118,6 +118,7 @@ def test_killed_leader_restarts_its_group(server: Server) -> None:
         assert_recovered(server, load, "group-1", before, "leader_died")
 
 
+@pytest.mark.slow  # a rare path, and the unit tests (test_membership.py) check the deadline itself
 def test_frozen_worker_is_found_by_its_deadline(server: Server) -> None:
     before = group(server, "group-0")
     pid = rank_pid(server, "group-0", rank=0)

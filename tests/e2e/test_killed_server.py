@@ -18,7 +18,7 @@ from devtools import wait_for
 from flotilla.cluster.cpu_binding import held_claims, machine_cores
 from tests.e2e.server import flotilla_serve
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # two server starts (about 3 minutes)
 
 
 def port_free(port: int) -> bool:

@@ -15,7 +15,7 @@ from flotilla.cluster.local_ray import LocalCluster, LocalClusterShape
 from tests.e2e.faults import TOKEN, group, routed_to
 from tests.e2e.server import Server, flotilla_serve
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # a node that joins late: about 3 minutes
 JOIN_TIMEOUT_S = 300
 
 
