@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from devtools import REPO, stop_gracefully, wait_for, wait_serving
+from flotilla.cluster.engine import CPU_EAGER_COMPILATION_CONFIG
 from flotilla.cluster.ports import free_port
 
 RESULTS = REPO / "bench" / "results"
@@ -96,7 +97,7 @@ config = LLMConfig(
     engine_kwargs={"dtype": "float32", "kv_cache_memory_bytes": %(kv)d, "enable_prefix_caching": True,
                    "num_gpu_blocks_override": %(blocks)d, "max_model_len": %(max_model_len)d,
                    "enable_prompt_tokens_details": True,
-                   "compilation_config": {"mode": 2, "backend": "eager"}},
+                   "compilation_config": %(compilation_config)r},
     deployment_config={"num_replicas": %(replicas)d%(deployment_extra)s},
 )
 serve.start(http_options={"host": "127.0.0.1", "port": %(port)d})
@@ -110,7 +111,13 @@ ray.shutdown()
 def ray_serve_llm_script(**fields: Any) -> str:
     """RAY_APP with ``fields``; unless given: no extra deployment options, a dashboard, Ray's own choice of
     metrics port, and the plain OpenAI app (``dev_endpoints``: Ray's dev ingress, with ``/reset_prefix_cache``)."""
-    defaults = {"deployment_extra": "", "dashboard": True, "metrics_export_port": None, "dev_endpoints": False}
+    defaults = {
+        "deployment_extra": "",
+        "dashboard": True,
+        "metrics_export_port": None,
+        "dev_endpoints": False,
+        "compilation_config": CPU_EAGER_COMPILATION_CONFIG,  # Flotilla's CPU setting (cluster.engine)
+    }
     return RAY_APP % (defaults | fields)
 
 

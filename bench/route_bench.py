@@ -48,6 +48,7 @@ from bench.common import (
 )
 from bench.workloads import hot_prefix, multi_turn, no_sharing, shared_prefix
 from devtools import REPO, wait_for
+from flotilla.cluster.engine import CPU_EAGER_COMPILATION_CONFIG
 from flotilla.config import ServeConfig
 from flotilla.router.sim_cluster import Session
 
@@ -319,7 +320,7 @@ class VllmServers:
                 "--max-model-len",
                 str(max_model_len),
                 "--compilation-config",
-                '{"mode": 2, "backend": "eager"}',
+                json.dumps(CPU_EAGER_COMPILATION_CONFIG),
                 "--enable-prompt-tokens-details",
             ]
             self.processes.append(Process(f"vllm-{i}", command, ENGINE_ENV | {"VLLM_SERVER_DEV_MODE": "1"}, RESULTS))

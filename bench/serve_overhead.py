@@ -50,6 +50,7 @@ import yaml
 
 from bench.common import RESULTS, Process, wait_ready, write_docs_section
 from devtools import REPO
+from flotilla.cluster.engine import CPU_EAGER_COMPILATION_CONFIG
 from flotilla.cluster.ports import free_ports
 
 SECTION = "serve_overhead"
@@ -74,7 +75,7 @@ class EngineSettings:
     def vllm_flags(self) -> list[str]:
         if self.device == "cpu":  # what Flotilla's CPU defaults set (cluster.engine.engine_kwargs)
             flags = ["--dtype", "float32", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
-            flags += ["--compilation-config", '{"mode": 2, "backend": "eager"}']
+            flags += ["--compilation-config", json.dumps(CPU_EAGER_COMPILATION_CONFIG)]
         else:
             flags = ["--dtype", "bfloat16"]
         return [*flags, "--enable-prefix-caching"] + (["--load-format", "dummy"] if self.dummy_weights else [])

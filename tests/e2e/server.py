@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -17,6 +18,7 @@ import httpx
 import yaml
 
 from devtools import REPO, stop_gracefully, wait_serving
+from flotilla.cluster.engine import CPU_EAGER_COMPILATION_CONFIG
 from flotilla.cluster.ports import free_port, free_port_run
 
 STARTUP_TIMEOUT_S = 600
@@ -127,7 +129,7 @@ VLLM_CPU_ENGINE_FLAGS = [
     str(512 << 20),
     "--enable-prefix-caching",
     "--compilation-config",
-    '{"mode": 2, "backend": "eager"}',
+    json.dumps(CPU_EAGER_COMPILATION_CONFIG),
 ]
 
 

@@ -1,7 +1,7 @@
 """The same requests to vLLM's own OpenAI server and to `flotilla serve`: same status codes, same greedy tokens.
 
 Both serve tiny-llama with the same engine settings (float32, 512 MiB KV cache, prefix caching,
-the eager trace-once compilation) and the same serving flags (the model's tool-capable chat
+eager execution without the warm-up pass) and the same serving flags (the model's tool-capable chat
 template, vLLM's `llama3_json` tool parser, prompt token details). vLLM runs first and is
 stopped, then Flotilla (two groups), so the two never share the machine's cores. Requests go
 one at a time: batch composition cannot change a greedy token.

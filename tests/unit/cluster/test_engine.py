@@ -87,7 +87,8 @@ omp = lambda: {{k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GO
 outside = omp()
 with engine_core_process(config, spec, on_cpu=True):
     spawned = {{"executor": config.parallel_config.distributed_executor_backend, "omp": omp()}}
-print(json.dumps({{"configured": configured, "spawned": spawned, "restored": omp() == outside}}))
+mode = int(config.compilation_config.mode)
+print(json.dumps({{"configured": configured, "spawned": spawned, "restored": omp() == outside, "mode": mode}}))
 """
     # A claim of core 1 and one thread, as ``apply_process_env`` sets them for a pinned group.
     env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": "1", "OMP_NUM_THREADS": "1"}
@@ -104,6 +105,24 @@ def test_one_rank_runs_inside_engine_core_with_the_ranks_cores(tiny_llama: Path)
     assert omp["OMP_NUM_THREADS"] == "1"
     assert omp.get("GOMP_CPU_AFFINITY") == "1" or (omp.get("OMP_PLACES"), omp.get("OMP_PROC_BIND")) == ("{1}", "true")
     assert launch["restored"]  # the leader's own environment is left as it was
+    assert launch["mode"] == 0  # CompilationMode.NONE: vLLM's CPU worker skips the warm-up pass
+
+
+def test_only_pp_and_wide_ep_groups_pay_for_the_warm_up_pass() -> None:
+    """vLLM's CPU worker warms up (one forward pass of max_num_batched_tokens dummy tokens) unless the
+    compilation mode is NONE; PP's intermediate buffers and DP's ranks need it, other layouts do not."""
+    from flotilla.cluster.engine import EngineSpec, engine_kwargs
+
+    def mode(spec: EngineSpec) -> int:
+        return engine_kwargs(spec, on_cpu=True)["compilation_config"]["mode"]
+
+    assert mode(EngineSpec("m", "m", 1, 1)) == 0
+    assert mode(EngineSpec("m", "m", 2, 1, executor="mp")) == 0
+    assert mode(EngineSpec("m", "m", 1, 2)) == 2
+    assert mode(EngineSpec("m", "m", 1, 1, executor="mp", data_parallel_size=2)) == 2
+    user_choice = {"compilation_config": {"mode": 2, "backend": "eager"}}
+    assert mode(EngineSpec("m", "m", 1, 1, engine_args=user_choice)) == 2
+    assert "compilation_config" not in engine_kwargs(EngineSpec("m", "m", 1, 1), on_cpu=False)
 
 
 @pytest.mark.parametrize(
