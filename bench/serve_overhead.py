@@ -8,6 +8,8 @@ Targets, each started fresh and alternated over rounds so machine noise hits all
 * ``flotilla``    — ``flotilla serve`` with 1 group, TP=1, every default (``executor: auto`` → vLLM's own)
 * ``flotilla-worker-process`` — the same with ``cpu.rank_in_engine_core: false``: the rank in a worker
   process of its own, as vLLM's CPU platform runs it (``flotilla-2g-worker-process``: with 2 groups)
+* ``flotilla-trace-once`` — the same with the CPU compilation setting of before 2026-12-05 (trace-once,
+  eager backend, vLLM's warm-up pass)
 * ``flotilla-ray`` — the same with ``executor: ray`` (vLLM's Ray executor, a worker actor per rank)
 * ``vllm-2x``     — two vLLM servers behind HAProxy round robin (one OpenMP thread each, unbound,
   as Flotilla's workers run)
@@ -255,6 +257,14 @@ class FlotillaWorkerProcess(Flotilla):
     cpu_extra = ", rank_in_engine_core: false"
 
 
+class FlotillaTraceOnce(Flotilla):
+    """The default with the CPU compilation setting it had until 2026-12-05 (trace-once with the eager backend,
+    which runs vLLM's warm-up pass; the model runs eagerly either way): what the setting costs per step."""
+
+    name = "flotilla-trace-once"
+    extra_yaml = "engine_args: {compilation_config: {mode: 2, backend: eager}}\n"
+
+
 class FlotillaRay(Flotilla):
     name = "flotilla-ray"
     executor = "ray"
@@ -322,6 +332,7 @@ TARGETS = {
         FlotillaOneIngress,
         FlotillaUnpinned,
         FlotillaWorkerProcess,
+        FlotillaTraceOnce,
         FlotillaRay,
         VllmPair,
         FlotillaTwoGroups,
@@ -340,6 +351,7 @@ PEERS = {
     "flotilla-1ingress": ("vllm-uni", "flotilla"),
     "flotilla-unpinned": ("vllm-uni", "flotilla"),
     "flotilla-worker-process": ("vllm-uni", "flotilla"),
+    "flotilla-trace-once": ("vllm-uni", "flotilla"),
     "flotilla-ray": ("vllm-ray",),
     "flotilla-2g": ("vllm-2x",),
     "flotilla-2g-rr": ("vllm-2x", "flotilla-2g"),

@@ -28,7 +28,8 @@ CPU_ENGINE_ENV = {
 CPU_COMPILATION_CONFIG = {"mode": 2, "backend": "eager"}
 # Where nothing needs the warm-up (one PP stage, one DP rank), mode NONE skips it: it is one forward
 # pass of max_num_batched_tokens dummy tokens, about 20 s of a start or gang restart for SmolLM2-135M
-# on one core, and the model runs eagerly either way.
+# on one core. Both run the model eagerly, yet decode steps took 2.4x as long under trace-once
+# (docs/benchmarks.md, "The compilation setting, side by side").
 CPU_EAGER_COMPILATION_CONFIG = {"mode": 0}
 
 
