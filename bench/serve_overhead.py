@@ -52,7 +52,7 @@ import yaml
 
 from bench.common import RESULTS, Process, wait_ready, write_docs_section
 from devtools import REPO
-from flotilla.cluster.engine import CPU_EAGER_COMPILATION_CONFIG
+from flotilla.cluster.engine import CPU_COMPILATION_CONFIG, CPU_EAGER_COMPILATION_CONFIG
 from flotilla.cluster.ports import free_ports
 
 SECTION = "serve_overhead"
@@ -213,7 +213,14 @@ class VllmEpPair(VllmPair):
         return [
             "--data-parallel-size", "2", "--data-parallel-rank", str(rank), "--data-parallel-address", "127.0.0.1",
             "--data-parallel-rpc-port", str(self.rpc_port), "--enable-expert-parallel",
-        ]  # fmt: skip
+        ] + self.compilation_flags()  # fmt: skip
+
+    def compilation_flags(self) -> list[str]:
+        """On CPU, Flotilla's wide-EP ranks keep the warm-up pass (``cpu_compilation_config``): so do these (the
+        later flag wins)."""
+        if self.settings.device != "cpu":
+            return []
+        return ["--compilation-config", json.dumps(CPU_COMPILATION_CONFIG)]
 
 
 class Flotilla(Target):
