@@ -52,7 +52,7 @@ import yaml
 
 from bench.common import RESULTS, Process, wait_ready, write_docs_section
 from devtools import REPO
-from flotilla.cluster.engine import CPU_COMPILATION_CONFIG, CPU_EAGER_COMPILATION_CONFIG
+from flotilla.cluster.engine import CPU_COMPILATION_CONFIG, cpu_compilation_config
 from flotilla.cluster.ports import free_ports
 
 SECTION = "serve_overhead"
@@ -74,10 +74,10 @@ class EngineSettings:
     device: str  # "cpu" or "gpu"
     dummy_weights: bool  # a shape-only model (no weight files): vLLM makes random weights
 
-    def vllm_flags(self) -> list[str]:
+    def vllm_flags(self, data_parallel_size: int = 1) -> list[str]:
         if self.device == "cpu":  # what Flotilla's CPU defaults set (cluster.engine.engine_kwargs)
             flags = ["--dtype", "float32", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
-            flags += ["--compilation-config", json.dumps(CPU_EAGER_COMPILATION_CONFIG)]
+            flags += ["--compilation-config", json.dumps(cpu_compilation_config(1, data_parallel_size))]
         else:
             flags = ["--dtype", "bfloat16"]
         return [*flags, "--enable-prefix-caching"] + (["--load-format", "dummy"] if self.dummy_weights else [])
@@ -130,12 +130,13 @@ class Target:
 class VllmServer(Target):
     name = "vllm-uni"
     executor_flags: list[str] = []
+    data_parallel_size = 1
 
     def vllm_command(self, port: int) -> list[str]:
         return [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-            *self.settings.vllm_flags(), *self.executor_flags,
+            *self.settings.vllm_flags(self.data_parallel_size), *self.executor_flags,
         ]  # fmt: skip
 
     def _start(self) -> None:
@@ -204,6 +205,7 @@ class VllmEpPair(VllmPair):
     """vLLM's own wide EP: DP = 2 engines (external load balancing) × EP, one server per DP rank."""
 
     name = "vllm-ep2"
+    data_parallel_size = 2
 
     def _start(self) -> None:
         (self.rpc_port,) = free_ports(1)
@@ -213,14 +215,7 @@ class VllmEpPair(VllmPair):
         return [
             "--data-parallel-size", "2", "--data-parallel-rank", str(rank), "--data-parallel-address", "127.0.0.1",
             "--data-parallel-rpc-port", str(self.rpc_port), "--enable-expert-parallel",
-        ] + self.compilation_flags()  # fmt: skip
-
-    def compilation_flags(self) -> list[str]:
-        """On CPU, Flotilla's wide-EP ranks keep the warm-up pass (``cpu_compilation_config``): so do these (the
-        later flag wins)."""
-        if self.settings.device != "cpu":
-            return []
-        return ["--compilation-config", json.dumps(CPU_COMPILATION_CONFIG)]
+        ]  # fmt: skip
 
 
 class Flotilla(Target):
@@ -269,7 +264,7 @@ class FlotillaTraceOnce(Flotilla):
     which runs vLLM's warm-up pass; the model runs eagerly either way): what the setting costs per step."""
 
     name = "flotilla-trace-once"
-    extra_yaml = "engine_args: {compilation_config: {mode: 2, backend: eager}}\n"
+    extra_yaml = f"engine_args: {{compilation_config: {json.dumps(CPU_COMPILATION_CONFIG)}}}\n"
 
 
 class FlotillaRay(Flotilla):

@@ -120,7 +120,7 @@ def test_only_pp_and_wide_ep_groups_pay_for_the_warm_up_pass() -> None:
     assert mode(EngineSpec("m", "m", 2, 1, executor="mp")) == 0
     assert mode(EngineSpec("m", "m", 1, 2)) == 2
     assert mode(EngineSpec("m", "m", 1, 1, executor="mp", data_parallel_size=2)) == 2
-    user_choice = {"compilation_config": {"mode": 2, "backend": "eager"}}
+    user_choice = {"compilation_config": {"mode": 2, "backend": "eager"}}  # the trace-once setting of before
     assert mode(EngineSpec("m", "m", 1, 1, engine_args=user_choice)) == 2
     assert "compilation_config" not in engine_kwargs(EngineSpec("m", "m", 1, 1), on_cpu=False)
 
