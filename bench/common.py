@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from devtools import REPO, stop_gracefully, wait_for, wait_serving
-from flotilla.cluster.engine import CPU_EAGER_COMPILATION_CONFIG
+from flotilla.cluster.engine import cpu_compilation_config
 from flotilla.cluster.ports import free_port
 
 RESULTS = REPO / "bench" / "results"
@@ -116,7 +116,7 @@ def ray_serve_llm_script(**fields: Any) -> str:
         "dashboard": True,
         "metrics_export_port": None,
         "dev_endpoints": False,
-        "compilation_config": CPU_EAGER_COMPILATION_CONFIG,  # Flotilla's CPU setting (cluster.engine)
+        "compilation_config": cpu_compilation_config(1, 1),  # Flotilla's CPU setting for one rank (cluster.engine)
     }
     return RAY_APP % (defaults | fields)
 

@@ -48,7 +48,7 @@ from bench.common import (
 )
 from bench.workloads import hot_prefix, multi_turn, no_sharing, shared_prefix
 from devtools import REPO, wait_for
-from flotilla.cluster.engine import CPU_EAGER_COMPILATION_CONFIG
+from flotilla.cluster.engine import cpu_compilation_config
 from flotilla.config import ServeConfig
 from flotilla.router.sim_cluster import Session
 
@@ -320,7 +320,7 @@ class VllmServers:
                 "--max-model-len",
                 str(max_model_len),
                 "--compilation-config",
-                json.dumps(CPU_EAGER_COMPILATION_CONFIG),
+                json.dumps(cpu_compilation_config(1, 1)),
                 "--enable-prompt-tokens-details",
             ]
             self.processes.append(Process(f"vllm-{i}", command, ENGINE_ENV | {"VLLM_SERVER_DEV_MODE": "1"}, RESULTS))

@@ -18,7 +18,7 @@ import httpx
 import yaml
 
 from devtools import REPO, stop_gracefully, wait_serving
-from flotilla.cluster.engine import CPU_EAGER_COMPILATION_CONFIG
+from flotilla.cluster.engine import cpu_compilation_config
 from flotilla.cluster.ports import free_port, free_port_run
 
 STARTUP_TIMEOUT_S = 600
@@ -129,7 +129,7 @@ VLLM_CPU_ENGINE_FLAGS = [
     str(512 << 20),
     "--enable-prefix-caching",
     "--compilation-config",
-    json.dumps(CPU_EAGER_COMPILATION_CONFIG),
+    json.dumps(cpu_compilation_config(1, 1)),
 ]
 
 
