@@ -122,7 +122,7 @@ class RoutedEngineClient(EngineClient):
         if reasoning_parser_kwargs is not None:
             request.reasoning_parser_kwargs = reasoning_parser_kwargs
         self.check_admission()
-        return self._stream(request, request_id, REQUEST_CONTEXT.get())
+        return StartedStream(self._stream(request, request_id, REQUEST_CONTEXT.get()))
 
     async def _stream(
         self, request: Any, request_id: str, context: RequestContext | None
@@ -281,6 +281,54 @@ class RoutedEngineClient(EngineClient):
 
 
 _PER_GROUP = "engine management is per replica group, not through the ingress"
+
+
+class StartedStream(AsyncGenerator[RequestOutput, None]):
+    """A request's output stream that starts running at once: routed and submitted to its group now, not when
+    the caller first iterates.
+
+    vLLM's serving layer calls ``generate`` and then sets the response up (the SSE generator, Serve's ASGI
+    response start) before it iterates. Timed at concurrency 1 (512-token prompts, 2026-12-06), the request
+    was routed 5.5 ms after vLLM stamped its arrival, about 2.6 ms after ``generate`` returned; started here,
+    its routing begins 0.1 ms after ``generate`` returns, and the response is set up while the engine
+    prefills. vLLM's own ``AsyncLLM.generate`` starts nothing before its first iteration either; ours has to
+    be started by hand, hence this wrapper.
+
+    A caller that drops the stream unread leaves the request running until its first output; then the
+    event loop finalizes the abandoned generator, which aborts it in the group (``GroupChannel.stream``).
+    """
+
+    def __init__(self, stream: AsyncGenerator[RequestOutput, None]) -> None:
+        self._stream = stream
+        self._first: asyncio.Future[RequestOutput] | None = asyncio.ensure_future(anext(stream))
+        self._first.add_done_callback(_mark_retrieved)
+
+    async def asend(self, value: None) -> RequestOutput:
+        if self._first is None:
+            return await self._stream.asend(value)
+        first, self._first = self._first, None
+        return await first  # a caller cancelled here cancels the first step, and so the request
+
+    async def athrow(self, typ: Any, val: Any = None, tb: Any = None) -> RequestOutput:
+        await self._settle_first()
+        return await self._stream.athrow(typ, val, tb)
+
+    async def aclose(self) -> None:
+        await self._settle_first()
+        await self._stream.aclose()
+
+    async def _settle_first(self) -> None:
+        """Cancel a first step still waiting and let the generator unwind (its ``finally`` aborts the request)."""
+        first, self._first = self._first, None
+        if first is not None and not first.done():
+            first.cancel()
+            await asyncio.wait([first])
+
+
+def _mark_retrieved(step: asyncio.Future[Any]) -> None:
+    """Read a first step's outcome so that one nobody awaits logs no "exception was never retrieved"."""
+    if not step.cancelled():
+        step.exception()
 
 
 def _failure(err: BaseException, group: str) -> tuple[EngineErrorKind, str]:

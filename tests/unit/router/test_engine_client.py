@@ -412,3 +412,46 @@ async def test_a_caller_leaving_early_counts_an_abort_and_releases_the_group(fro
     await generator.aclose()
     assert client.stats.aborted.labels("completions")._value.get() == 1
     assert client.directory.router.view("g0").in_flight == 0
+
+
+class HeldChannel(ScriptedChannel):
+    """A group that takes the request, then holds its first output until released."""
+
+    def __init__(self) -> None:
+        super().__init__([output([1], True)])
+        self.submitted = asyncio.Event()
+        self.release = asyncio.Event()
+        self.closed = False
+
+    async def stream(self, request: Any, key: str) -> AsyncGenerator[WireOutput, None]:
+        self.calls += 1
+        self.submitted.set()
+        try:
+            await self.release.wait()
+            yield self.outputs[0]
+        finally:
+            self.closed = True
+
+
+async def test_the_request_is_submitted_before_the_caller_first_iterates(frontend) -> None:
+    """The engine starts while the serving layer sets up the response."""
+    channel = HeldChannel()
+    client = client_over(frontend, {"g0": channel})
+    generator = client.generate(PROMPT, stream_params(), "r")
+    await asyncio.wait_for(channel.submitted.wait(), timeout=10)  # nobody has iterated yet
+    assert channel.calls == 1
+    channel.release.set()
+    assert [o.outputs[0].token_ids for o in await collect(generator)] == [[1]]
+    assert client.directory.router.view("g0").in_flight == 0
+
+
+async def test_a_stream_closed_before_its_first_output_stops_the_request(frontend) -> None:
+    channel = HeldChannel()
+    client = client_over(frontend, {"g0": channel})
+    generator = client.generate(PROMPT, stream_params(), "r")
+    await asyncio.wait_for(channel.submitted.wait(), timeout=10)
+    await generator.aclose()
+    assert channel.closed and not channel.release.is_set()
+    assert client.directory.router.view("g0").in_flight == 0
+    with pytest.raises(StopAsyncIteration):
+        await anext(generator)
