@@ -161,6 +161,21 @@ def test_an_exception_in_every_leader_ends_the_request_and_the_next_one_is_serve
     assert httpx.post(f"{server.url}/v1/completions", json=plain, timeout=30).status_code == 200
 
 
+def test_the_leaders_and_ingress_replicas_froze_their_start_up_heap(server: Server, ray_driver) -> None:
+    """As vLLM's API server does once up (``freeze_gc_heap``): otherwise a full garbage collection over the
+    start-up heap pauses an ingress replica or a leader, and every stream through it, for most of a second."""
+    import gc
+
+    from ray.util.state import list_actors
+
+    leaders = [ray.get_actor(leader_actor_name(g), namespace=DEFAULT_NAMESPACE) for g in GROUPS]
+    names = [a.name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)]
+    replicas = [ray.get_actor(n, namespace="serve") for n in names if n.startswith("SERVE_REPLICA::flotilla")]
+    assert replicas, names
+    frozen = ray.get([actor.__ray_call__.remote(lambda _: gc.get_freeze_count()) for actor in leaders + replicas])
+    assert all(count > 100_000 for count in frozen), frozen
+
+
 def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")
@@ -267,17 +282,3 @@ def port_open(host: str, port: int) -> bool:
         sock.settimeout(1)
         return sock.connect_ex((host, port)) == 0
 
-
-def test_the_leaders_and_ingress_replicas_froze_their_start_up_heap(server: Server, ray_driver) -> None:
-    """As vLLM's API server does once up (``freeze_gc_heap``): otherwise a full garbage collection over the
-    start-up heap pauses an ingress replica or a leader, and every stream through it, for most of a second."""
-    import gc
-
-    from ray.util.state import list_actors
-
-    leaders = [ray.get_actor(leader_actor_name(g), namespace=DEFAULT_NAMESPACE) for g in GROUPS]
-    names = [a.name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)]
-    replicas = [ray.get_actor(n, namespace="serve") for n in names if n.startswith("SERVE_REPLICA::flotilla")]
-    assert replicas, names
-    frozen = ray.get([actor.__ray_call__.remote(lambda _: gc.get_freeze_count()) for actor in leaders + replicas])
-    assert all(count > 100_000 for count in frozen), frozen
