@@ -281,4 +281,3 @@ def port_open(host: str, port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(1)
         return sock.connect_ex((host, port)) == 0
-
