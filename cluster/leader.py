@@ -131,7 +131,11 @@ class GroupLeader:
 
         self._inbox = RequestInbox(ray.util.get_node_ip_address(), self._accept, self.abort)
         self.info = dataclasses.replace(self.info, inbox_endpoint=self._inbox.endpoint)
-        _freeze_startup_heap()
+        # What vLLM's API server and EngineCore do once up: the start-up heap (~650k objects) leaves the collector's
+        # view; a full collection over it would pause the event loop, and every stream, for most of a second.
+        from vllm.utils.gc_utils import freeze_gc_heap
+
+        freeze_gc_heap()
         self.phase = EnginePhase.READY
         return self.info
 
@@ -356,16 +360,6 @@ class SchedulerStatsRecorder:
                 pass
 
         return _Logger(vllm_config, engine_index)
-
-
-def _freeze_startup_heap() -> None:
-    """Take the engine's start-up heap out of the garbage collector's view, as vLLM's API server and EngineCore
-    do once they are up: a full collection over the ~650k objects an ``AsyncLLM`` leader holds would pause its
-    event loop, and every stream it serves, for the better part of a second (955 ms measured in an ingress
-    replica of the same size). Runs one such collection now, before the group is ready."""
-    from vllm.utils.gc_utils import freeze_gc_heap
-
-    freeze_gc_heap()
 
 
 def _process_state(process: Any) -> str:
