@@ -10,6 +10,9 @@ Targets, each started fresh and alternated over rounds so machine noise hits all
   process of its own, as vLLM's CPU platform runs it (``flotilla-2g-worker-process``: with 2 groups)
 * ``flotilla-trace-once`` — the same with the CPU compilation setting of before 2026-12-05 (trace-once,
   eager backend, vLLM's warm-up pass)
+* ``flotilla-no-kv-events`` — the same with ``routing.kv_events: false``: what the engine's KV-event
+  publishing and the ingress replicas following it cost (the cache-aware router then knows only what
+  each replica routed itself)
 * ``flotilla-ray`` — the same with ``executor: ray`` (vLLM's Ray executor, a worker actor per rank)
 * ``vllm-2x``     — two vLLM servers behind HAProxy round robin (one OpenMP thread each, unbound,
   as Flotilla's workers run)
@@ -267,6 +270,13 @@ class FlotillaTraceOnce(Flotilla):
     extra_yaml = f"engine_args: {{compilation_config: {json.dumps(CPU_COMPILATION_CONFIG)}}}\n"
 
 
+class FlotillaNoKvEvents(Flotilla):
+    """The default with ``routing.kv_events: false``: what publishing and following KV events costs."""
+
+    name = "flotilla-no-kv-events"
+    extra_yaml = "routing: {kv_events: false}\n"
+
+
 class FlotillaRay(Flotilla):
     name = "flotilla-ray"
     executor = "ray"
@@ -335,6 +345,7 @@ TARGETS = {
         FlotillaUnpinned,
         FlotillaWorkerProcess,
         FlotillaTraceOnce,
+        FlotillaNoKvEvents,
         FlotillaRay,
         VllmPair,
         FlotillaTwoGroups,
@@ -354,6 +365,7 @@ PEERS = {
     "flotilla-unpinned": ("vllm-uni", "flotilla"),
     "flotilla-worker-process": ("vllm-uni", "flotilla"),
     "flotilla-trace-once": ("vllm-uni", "flotilla"),
+    "flotilla-no-kv-events": ("vllm-uni", "flotilla"),
     "flotilla-ray": ("vllm-ray",),
     "flotilla-2g": ("vllm-2x",),
     "flotilla-2g-rr": ("vllm-2x", "flotilla-2g"),
@@ -499,11 +511,29 @@ def markdown(
                     f"at concurrency 1, **{a['cN_output_throughput'] / b['cN_output_throughput']:.2f}×** at {n}; "
                     f"ITL p99 {a['c1_p99_itl_ms'] / b['c1_p99_itl_ms']:.2f}× (c1), "
                     f"{a['cN_p99_itl_ms'] / b['cN_p99_itl_ms']:.2f}× (c{n}); TTFT p50 at concurrency 1 "
-                    f"{a['c1_median_ttft_ms'] - b['c1_median_ttft_ms']:+.1f} ms."
+                    f"{a['c1_median_ttft_ms'] - b['c1_median_ttft_ms']:+.1f} ms." + per_round(runs, ours, peer, n)
                 )
     lines += engine_lines(rows, args.output_len)
     lines += eplb_lines(runs)
     return "\n".join(lines)
+
+
+def per_round(runs: list[dict[str, Any]], ours: str, peer: str, n: int) -> str:
+    """The same comparisons round by round (the k-th run of each), where there was more than one round:
+    how far apart the rounds lie against the targets' margins."""
+    pairs = list(zip([r for r in runs if r["target"] == ours], [r for r in runs if r["target"] == peer], strict=True))
+    if len(pairs) < 2:
+        return ""
+
+    def each(ratio: Any, unit: str = "×") -> str:
+        return " / ".join(f"{ratio(a, b):{'+.1f' if unit == ' ms' else '.2f'}}{unit}" for a, b in pairs)
+
+    return (
+        f" Per round: tokens/s {each(lambda a, b: a['c1']['output_throughput'] / b['c1']['output_throughput'])} "
+        f"(c1), {each(lambda a, b: a['cN']['output_throughput'] / b['cN']['output_throughput'])} (c{n}); "
+        f"ITL p99 c1 {each(lambda a, b: a['c1']['p99_itl_ms'] / b['c1']['p99_itl_ms'])}; "
+        f"TTFT p50 c1 {each(lambda a, b: a['c1']['median_ttft_ms'] - b['c1']['median_ttft_ms'], ' ms')}."
+    )
 
 
 def engine_lines(rows: dict[str, dict[str, float]], output_len: int) -> list[str]:
