@@ -156,8 +156,7 @@ def fence_claimed_cores(claims_dir: Path = CLAIMS_DIR, roots: Sequence[int] | No
     Threads that end or belong to another user meanwhile are skipped.
     """
     claims = held_claims(claims_dir)
-    everywhere = machine_cores()
-    target = (everywhere - claims.cores) or everywhere
+    target = fence_cores(claims)
     moved = 0
     for process in _fenced_processes(claims, _ray_roots() if roots is None else roots):
         try:
@@ -171,6 +170,44 @@ def fence_claimed_cores(claims_dir: Path = CLAIMS_DIR, roots: Sequence[int] | No
                     moved += 1
             except OSError:
                 continue
+    return moved
+
+
+def fence_cores(claims: HeldClaims | None = None) -> set[int]:
+    """Where everything but the model's threads runs: the cores no claim holds (every core where claims hold
+    them all)."""
+    everywhere = machine_cores()
+    return (everywhere - (held_claims() if claims is None else claims).cores) or everywhere
+
+
+def move_io_threads(cores: set[int]) -> int:
+    """In a pinned rank's process, called from the thread that runs the model: move the process's other
+    Python threads and ZeroMQ's I/O threads onto ``cores``; returns how many moved.
+
+    They inherit the rank's pinned core when started after the pinning, as EngineCore's are when the rank runs
+    inside it: its output thread, the one that sends every step's tokens, then waits for the model's core
+    between steps (measured: 46 of 2,000 inter-token gaps over 10 ms at concurrency 1, against none in vLLM's
+    server, whose EngineCore threads run off its worker's core). OpenMP's threads (not Python's, not named
+    ZMQbg) stay pinned; threads started later stay where they start.
+    """
+    import threading
+
+    model_thread = threading.get_native_id()
+    io_threads = {t.native_id for t in threading.enumerate() if t.native_id not in (None, model_thread)}
+    for thread in psutil.Process().threads():
+        try:
+            with open(f"/proc/self/task/{thread.id}/comm") as comm:
+                if comm.read().startswith("ZMQbg/"):
+                    io_threads.add(thread.id)
+        except OSError:
+            continue
+    moved = 0
+    for tid in io_threads:
+        try:
+            os.sched_setaffinity(tid, cores)
+            moved += 1
+        except OSError:  # ended meanwhile
+            continue
     return moved
 
 

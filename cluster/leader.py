@@ -26,7 +26,7 @@ from flotilla.cluster.contract import (
     RankProcess,
     to_wire,
 )
-from flotilla.cluster.cpu_binding import CoreClaim, fence_claimed_cores
+from flotilla.cluster.cpu_binding import CoreClaim, fence_claimed_cores, fence_cores
 from flotilla.cluster.engine import (
     EngineSpec,
     apply_process_env,
@@ -97,11 +97,14 @@ class GroupLeader:
         assert self._core_claim is not None
         self._core_claim.record_workers([process.pid for _, process in self._ranks])
         moved = await asyncio.to_thread(fence_claimed_cores)
+        io_cores = sorted(await asyncio.to_thread(fence_cores))
+        freed = await self.engine.collective_rpc(RankProbe.flotilla_move_io_threads.__name__, args=(io_cores,))
         logger.info(
-            "group %s: workers pinned to cores %s; %d other threads moved off them",
+            "group %s: workers pinned to cores %s; %d other threads moved off them, and %d of the ranks' I/O threads",
             self.group_name,
             self._core_claim.omp_threads_bind(),
             moved,
+            sum(freed),
         )
 
     def data_parallel_master(self) -> tuple[str, int]:

@@ -40,6 +40,12 @@ class RankProbe:
             title = "_".join(["Worker", *places])
         return os.getpid(), title
 
+    def flotilla_move_io_threads(self, cores: list[int]) -> int:
+        """This pinned rank's threads that do not run the model move onto ``cores`` (``cpu_binding``)."""
+        from flotilla.cluster.cpu_binding import move_io_threads
+
+        return move_io_threads(set(cores))
+
     def flotilla_eplb_snapshot(self) -> dict[str, Any] | None:
         """vLLM's EPLB state on this rank (None without EPLB): the expert load this rank recorded under the
         current placement (the newest entries of vLLM's window: ``steps_recorded_under_this_placement``), per

@@ -57,14 +57,23 @@ def thread_cores(process: psutil.Process) -> set[frozenset[int]]:
     return {frozenset(os.sched_getaffinity(thread.id)) for thread in process.threads()}
 
 
+def thread_name(pid: int, tid: int) -> str:
+    return Path(f"/proc/{pid}/task/{tid}/comm").read_text()
+
+
 def pinned_and_fenced(server_pid: int) -> frozenset[int]:
-    """The server's worker runs on the cores its claim holds, and nothing else of its Ray does (where any core
-    is left for the rest: cpu.bind_cores, the default). Returns the claimed cores."""
+    """The server's worker runs the model on the cores its claim holds, and nothing else of its Ray does, its
+    own I/O threads included (where any core is left for the rest: cpu.bind_cores, the default). Returns the
+    claimed cores."""
     claims = held_claims()
     assert claims.cores and claims.workers and not claims.starting_leaders, claims
     for pid in claims.workers:
-        assert all(cores <= claims.cores for cores in thread_cores(psutil.Process(pid))), pid
+        assert frozenset(os.sched_getaffinity(pid)) <= claims.cores, pid  # the thread that runs the model
     if machine_cores() - claims.cores:
+        for pid in claims.workers:
+            zmq_threads = [t.id for t in psutil.Process(pid).threads() if thread_name(pid, t.id).startswith("ZMQbg/")]
+            assert zmq_threads, pid
+            assert not any(os.sched_getaffinity(tid) & claims.cores for tid in zmq_threads), pid
         raylets = [
             p for p in psutil.Process(server_pid).children(recursive=True) if name_of(p) in ("raylet", "gcs_server")
         ]

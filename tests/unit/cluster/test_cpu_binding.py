@@ -157,3 +157,51 @@ def test_a_starting_leader_and_its_processes_are_left_alone(tmp_path: Path, tree
     fence_claimed_cores(tmp_path, roots=[root])
     assert masks(leader) == {frozenset(everywhere)}
     assert masks(other) == {frozenset(everywhere - {min(everywhere)})}
+
+
+# A stand-in for a pinned rank: the model's thread pinned, then I/O threads started (they inherit its core).
+RANK = """
+import json, os, sys, threading, zmq
+from flotilla.cluster.cpu_binding import move_io_threads
+
+def zmq_threads():
+    tasks = os.listdir("/proc/self/task")
+    return [int(t) for t in tasks if open(f"/proc/self/task/{t}/comm").read().startswith("ZMQbg/")]
+
+def cores(tid):
+    return sorted(os.sched_getaffinity(tid))
+
+model_core, rest = int(sys.argv[1]), set(map(int, sys.argv[2].split(",")))
+os.sched_setaffinity(0, {model_core})
+stop = threading.Event()
+io = threading.Thread(target=stop.wait)
+io.start()
+socket = zmq.Context.instance().socket(zmq.PUSH)
+socket.bind_to_random_port("tcp://127.0.0.1")  # libzmq starts its I/O threads with the first endpoint
+while not zmq_threads():  # each names itself once running
+    threading.Event().wait(0.01)
+before = cores(io.native_id)
+moved = move_io_threads(rest)
+seen = {"before": before, "moved": moved, "model": cores(0), "io": cores(io.native_id)}
+print(json.dumps(seen | {"zmq": [cores(t) for t in zmq_threads()]}))
+stop.set()
+"""
+
+
+@needs_two_cores
+def test_a_pinned_ranks_io_threads_leave_the_core_of_the_thread_that_runs_the_model() -> None:
+    import json
+
+    everywhere = machine_cores()
+    model_core = min(everywhere)
+    rest = sorted(everywhere - {model_core})
+    done = subprocess.run(
+        [sys.executable, "-c", RANK, str(model_core), ",".join(map(str, rest))],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    seen = json.loads(done.stdout)
+    assert seen["before"] == [model_core]  # started after the pinning: on the model's core
+    assert seen["model"] == [model_core]  # the model's thread stays
+    assert seen["io"] == rest
+    assert seen["zmq"] and all(cores == rest for cores in seen["zmq"])
+    assert seen["moved"] == 1 + len(seen["zmq"])
