@@ -17,6 +17,11 @@ So once its workers run, a leader *fences* the machine (``fence_claimed_cores``)
 processes here, bar the pinned workers, runs on the cores no claim holds, as vLLM's reserved CPUs are
 meant to be used. Processes Ray starts later inherit the fence from their raylet. Where claims hold
 every core (two groups on two cores) nothing is fenced: the rest then runs anywhere, as before.
+
+The rank's own process needs the same: its I/O threads, started after vLLM pinned the thread that runs the
+model, inherit that thread's core, and where the rank runs inside EngineCore one of them sends every step's
+tokens. The leader therefore asks each rank to move its I/O threads where the fence puts everything else
+(``move_io_threads``).
 """
 
 from __future__ import annotations
