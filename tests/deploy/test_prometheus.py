@@ -26,6 +26,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -262,13 +263,26 @@ def loaded(server: Server, prometheus: Prometheus) -> Prometheus:
     """Traffic of every kind a dashboard shows, sent while Prometheus scrapes."""
     url = server.url
     shared = "You are a helpful assistant for the river and mountain survey. " * 8
-    statuses = []
+    generating = threading.Event()
+    generating.set()
+
+    def long_streams(i: int) -> list[int]:
+        # Streams follow one another until the alert fires: one alone may end between two scrapes (3 s apart)
+        # on a fast machine, and a finished request's blocks no longer count as used.
+        statuses = [_chat(url, shared + f"Question {i}?", 200, True)]
+        while generating.is_set():
+            statuses.append(_chat(url, shared + f"Question {i}?", 200, True))
+        return statuses
+
     with ThreadPoolExecutor(max_workers=6) as pool:
-        futures = [pool.submit(_chat, url, shared + f"Question {i}?", 200, True) for i in range(4)]
-        futures += [pool.submit(_chat, url, shared + f"Short {i}", 8, i % 2 == 0) for i in range(8)]
+        streams = [pool.submit(long_streams, i) for i in range(4)]
+        futures = [pool.submit(_chat, url, shared + f"Short {i}", 8, i % 2 == 0) for i in range(8)]
         # While the long streams generate, the KV cache holds their blocks: the provoked alert fires.
-        prometheus.provoked = prometheus_wait_firing(prometheus, PROVOKED, timeout_s=SERIES_TIMEOUT_S)
-        statuses = [f.result() for f in futures]
+        try:
+            prometheus.provoked = prometheus_wait_firing(prometheus, PROVOKED, timeout_s=SERIES_TIMEOUT_S)
+        finally:
+            generating.clear()
+        statuses = [f.result() for f in futures] + [status for f in streams for status in f.result()]
     assert statuses == [200] * len(statuses)
     httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4}, timeout=60)
     httpx.post(f"{url}/v1/completions", json={"model": "gpt-9", "prompt": "x"}, timeout=60)  # 404
