@@ -398,6 +398,7 @@ def bench_serve(url: str, model_dir: Path, args: argparse.Namespace, prompts: in
 
 
 ENGINE_TIMES = {  # vLLM's own histograms, in whichever process runs the AsyncLLM (API server or group leader)
+    "queue_ms": "vllm:request_queue_time_seconds",  # EngineCore: in the scheduler's waiting queue → scheduled
     "prefill_ms": "vllm:request_prefill_time_seconds",  # EngineCore: scheduled → first token
     "engine_ttft_ms": "vllm:time_to_first_token_seconds",  # AsyncLLM: request in → first token out
     "decode_ms": "vllm:request_decode_time_seconds",  # EngineCore: first token → last (output_len - 1 steps)
@@ -434,13 +435,15 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
         bench_serve(target.url, args.model, args, 4, 1)  # warm-up
         before = engine_sums(target.url)
         c1 = bench_serve(target.url, args.model, args, args.prompts_c1, 1)
-        c1_engine = engine_means(before, engine_sums(target.url))
+        between = engine_sums(target.url)
+        cN = bench_serve(target.url, args.model, args, args.prompts_cn, args.concurrency)
         run = {
             "target": target.name,
             "startup_s": startup_s,
             "c1": c1,
-            "c1_engine": c1_engine,
-            "cN": bench_serve(target.url, args.model, args, args.prompts_cn, args.concurrency),
+            "c1_engine": engine_means(before, between),
+            "cN": cN,
+            "cN_engine": engine_means(between, engine_sums(target.url)),
         }
         return run | {"server": target.observe()}
     finally:
@@ -464,9 +467,9 @@ def summarize(runs: list[dict[str, Any]], targets: list[str]) -> dict[str, dict[
         row = {"startup_s": statistics.median(r["startup_s"] for r in mine)}
         for phase in ("c1", "cN"):
             row |= {f"{phase}_{m}": statistics.median(r[phase][m] for r in mine) for m in METRICS}
-        for key in ENGINE_TIMES:
-            if all(key in r.get("c1_engine", {}) for r in mine):
-                row[f"c1_{key}"] = statistics.median(r["c1_engine"][key] for r in mine)
+            for key in ENGINE_TIMES:
+                if all(key in r.get(f"{phase}_engine", {}) for r in mine):
+                    row[f"{phase}_{key}"] = statistics.median(r[f"{phase}_engine"][key] for r in mine)
         rows[name] = row
     return rows
 
@@ -513,7 +516,7 @@ def markdown(
                     f"{a['cN_p99_itl_ms'] / b['cN_p99_itl_ms']:.2f}× (c{n}); TTFT p50 at concurrency 1 "
                     f"{a['c1_median_ttft_ms'] - b['c1_median_ttft_ms']:+.1f} ms." + per_round(runs, ours, peer, n)
                 )
-    lines += engine_lines(rows, args.output_len)
+    lines += engine_lines(rows, args.output_len, n)
     lines += eplb_lines(runs)
     return "\n".join(lines)
 
@@ -536,28 +539,32 @@ def per_round(runs: list[dict[str, Any]], ours: str, peer: str, n: int) -> str:
     )
 
 
-def engine_lines(rows: dict[str, dict[str, float]], output_len: int) -> list[str]:
-    """Where TTFT goes at concurrency 1: vLLM's own timings of the engine, beside the client's TTFT."""
-    timed = {name: r for name, r in rows.items() if all(f"c1_{key}" in r for key in ENGINE_TIMES)}
-    if not timed:
-        return []
+def engine_lines(rows: dict[str, dict[str, float]], output_len: int, concurrency: int) -> list[str]:
+    """Where TTFT and TPOT go: vLLM's own timings of the engine, beside the client's, at both concurrencies."""
     lines = [
         "",
-        "Inside the engine at concurrency 1 (means of vLLM's own histograms over the same requests; behind a "
-        "balancer, one server's): prefill = EngineCore, scheduled → first token; engine TTFT = the AsyncLLM "
-        "(vLLM's API server, or Flotilla's group leader), request in → first token out (Flotilla: from the ingress's "
-        "validation on); EngineCore step = its decode time per generated token, where TPOT is decided.",
+        "Inside the engine (means of vLLM's own histograms over the same requests; behind a balancer, one "
+        "server's): queue = EngineCore, in the scheduler's waiting queue → scheduled; prefill = EngineCore, "
+        "scheduled → first token; engine TTFT = the AsyncLLM (vLLM's API server, or Flotilla's group leader), "
+        "request in → first token out (Flotilla: from the ingress's validation on); EngineCore step = its decode "
+        "time per generated token, where TPOT is decided.",
         "",
-        "| target | prefill | engine TTFT | client TTFT p50 | EngineCore step (decode ÷ steps) | client TPOT |",
-        "|---|---|---|---|---|---|",
+        "| target | concurrency | queue | prefill | engine TTFT | client TTFT p50 | EngineCore step (decode ÷ steps) "
+        "| client TPOT |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for name, r in timed.items():
-        lines.append(
-            f"| {name} | {r['c1_prefill_ms']:.1f} ms | {r['c1_engine_ttft_ms']:.1f} ms "
-            f"| {r['c1_median_ttft_ms']:.1f} ms | {r['c1_decode_ms'] / max(output_len - 1, 1):.1f} ms "
-            f"| {r['c1_mean_tpot_ms']:.1f} ms |"
-        )
-    return lines
+    timed = 0
+    for name, r in rows.items():
+        for phase, n in (("c1", 1), ("cN", concurrency)):
+            if not all(f"{phase}_{key}" in r for key in ENGINE_TIMES):
+                continue
+            timed += 1
+            lines.append(
+                f"| {name} | {n} | {r[f'{phase}_queue_ms']:.1f} ms | {r[f'{phase}_prefill_ms']:.1f} ms "
+                f"| {r[f'{phase}_engine_ttft_ms']:.1f} ms | {r[f'{phase}_median_ttft_ms']:.1f} ms "
+                f"| {r[f'{phase}_decode_ms'] / max(output_len - 1, 1):.1f} ms | {r[f'{phase}_mean_tpot_ms']:.1f} ms |"
+            )
+    return lines if timed else []
 
 
 def eplb_lines(runs: list[dict[str, Any]]) -> list[str]:
