@@ -64,9 +64,10 @@ class CpuEngineDefaults(_Strict):
     bind_cores: bool = Field(
         True,
         description=(
-            "Pin each worker's threads to cores that no other group on the machine holds, as vLLM's CPU executor "
-            "pins its own, and keep every other process of Ray's on the machine off those cores where any are left "
-            "(groups on one node, executor mp; not wide-EP groups). False: workers run where the OS puts them."
+            "Pin each worker's model threads to cores that no other group on the machine holds, as vLLM's CPU "
+            "executor pins its own, and keep the workers' I/O threads and every other process of Ray's on the "
+            "machine off those cores where any are left (groups on one node, executor mp; not wide-EP groups). "
+            "False: workers run where the OS puts them."
         ),
     )
     rank_in_engine_core: bool = Field(

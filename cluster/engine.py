@@ -48,7 +48,7 @@ class EngineSpec:
     cpu_kv_cache_memory_bytes: int = 512 << 20
     cpu_threads_per_worker: int | None = None
     cpu_bind_cores: bool = True
-    """Pin each worker's threads to cores no other group on the machine holds (``cpu_binding``; mp executor)."""
+    """Pin each worker's model threads to cores no other group on the machine holds (``cpu_binding``; mp executor)."""
     cpu_rank_in_engine_core: bool = True
     """One rank under ``mp`` runs in vLLM's EngineCore process on CPU too (``engine_core_process``)."""
     kv_events: bool = True
