@@ -380,17 +380,28 @@ def restarted(loaded: Prometheus, server: Server) -> list[dict[str, Any]]:
     Returns the restart alert's expression (threshold lowered to > 0) once it names a group.
     The requests that were on group-1 saw no token, so the ingress retries them on group-0.
     """
-    # Long enough to be running when the kill lands (the killer connects to Ray first: seconds).
+    # Four callers keep long requests going until the kill has landed: the killer connects to Ray
+    # first (seconds), and on a fast machine one round of 600-token requests can end before that.
     body = {"model": MODEL, "prompt": "the survey of rivers", "max_tokens": 600, "ignore_eos": True}
+    killed = threading.Event()
+
+    def keep_asking(caller: int) -> list[int]:
+        statuses = []
+        while not killed.is_set():
+            prompt = f"{caller} rivers {len(statuses)}"
+            reply = httpx.post(f"{server.url}/v1/completions", json=body | {"prompt": prompt}, timeout=300)
+            statuses.append(reply.status_code)
+        return statuses
+
     with ThreadPoolExecutor(max_workers=4) as pool:
-        replies = [
-            pool.submit(httpx.post, f"{server.url}/v1/completions", json=body | {"prompt": f"{i} rivers"}, timeout=300)
-            for i in range(4)
-        ]
-        loaded.poll('sum(flotilla_group_in_flight_requests{group="group-1"}) > 0', timeout_s=30)
-        kill_leader(server, "group-1")
-        statuses = [r.result().status_code for r in replies]
-    assert statuses == [200] * 4, "requests on the killed group must be retried elsewhere"
+        callers = [pool.submit(keep_asking, i) for i in range(4)]
+        try:
+            loaded.poll('sum(flotilla_group_in_flight_requests{group="group-1"}) > 0', timeout_s=30)
+            kill_leader(server, "group-1")
+        finally:
+            killed.set()
+        statuses = [status for caller in callers for status in caller.result()]
+    assert statuses and set(statuses) == {200}, "requests on the killed group must be retried elsewhere"
     return loaded.poll(alert_expr("FlotillaGroupRestartStorm", ("> 3", "> 0")), timeout_s=60)
 
 
