@@ -547,8 +547,9 @@ def engine_lines(rows: dict[str, dict[str, float]], output_len: int, concurrency
         "server's): queue = EngineCore, in the scheduler's waiting queue → scheduled; prefill = EngineCore, "
         "scheduled → first token; engine TTFT = the AsyncLLM (vLLM's API server, or Flotilla's group leader), "
         "request in → first token out (Flotilla: from the ingress's validation on); EngineCore step = its decode "
-        "time per generated token, where TPOT is decided. Means throughout: at concurrency 8 TTFTs fall in clusters "
-        "(a wave's first prefill steps and the step after), where a median and a mean do not compare.",
+        "time per generated token, where TPOT is decided. Means throughout: under concurrency TTFTs fall in "
+        f"clusters (at {concurrency}, a wave's first prefill steps and the step after), where a median and a mean "
+        "do not compare.",
         "",
         "| target | concurrency | queue | prefill | engine TTFT | client TTFT (mean) "
         "| EngineCore step (decode ÷ steps) | client TPOT |",

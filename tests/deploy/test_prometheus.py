@@ -383,11 +383,11 @@ def restarted(loaded: Prometheus, server: Server) -> list[dict[str, Any]]:
     # Four callers keep long requests going until the kill has landed: the killer connects to Ray
     # first (seconds), and on a fast machine one round of 600-token requests can end before that.
     body = {"model": MODEL, "prompt": "the survey of rivers", "max_tokens": 600, "ignore_eos": True}
-    killed = threading.Event()
+    kill_landed = threading.Event()
 
     def keep_asking(caller: int) -> list[int]:
         statuses = []
-        while not killed.is_set():
+        while not kill_landed.is_set():
             prompt = f"{caller} rivers {len(statuses)}"
             reply = httpx.post(f"{server.url}/v1/completions", json=body | {"prompt": prompt}, timeout=300)
             statuses.append(reply.status_code)
@@ -399,7 +399,7 @@ def restarted(loaded: Prometheus, server: Server) -> list[dict[str, Any]]:
             loaded.poll('sum(flotilla_group_in_flight_requests{group="group-1"}) > 0', timeout_s=30)
             kill_leader(server, "group-1")
         finally:
-            killed.set()
+            kill_landed.set()  # or failed: the callers stop either way
         statuses = [status for caller in callers for status in caller.result()]
     assert statuses and set(statuses) == {200}, "requests on the killed group must be retried elsewhere"
     return loaded.poll(alert_expr("FlotillaGroupRestartStorm", ("> 3", "> 0")), timeout_s=60)
