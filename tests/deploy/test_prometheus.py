@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -258,31 +258,46 @@ def _disconnect_mid_stream(url: str) -> None:
                 break
 
 
+class RepeatingCallers:
+    """Callers that each send request after request until told to stop: traffic surely still in flight at the
+    moment a test waits for (on a fast machine one round of long requests can end before it)."""
+
+    def __init__(self, pool: ThreadPoolExecutor, callers: int, send: Callable[[int, int], int]) -> None:
+        """``send(caller, n)`` sends caller's n-th request and returns its HTTP status."""
+        self._stopping = threading.Event()
+        self._callers = [pool.submit(self._repeat, caller, send) for caller in range(callers)]
+
+    def _repeat(self, caller: int, send: Callable[[int, int], int]) -> list[int]:
+        statuses = [send(caller, 0)]
+        while not self._stopping.is_set():
+            statuses.append(send(caller, len(statuses)))
+        return statuses
+
+    def stop(self) -> None:
+        """Each caller ends with the request it is sending."""
+        self._stopping.set()
+
+    def statuses(self) -> list[int]:
+        """Every request's status, once the callers have stopped."""
+        return [status for caller in self._callers for status in caller.result()]
+
+
 @pytest.fixture(scope="module")
 def loaded(server: Server, prometheus: Prometheus) -> Prometheus:
     """Traffic of every kind a dashboard shows, sent while Prometheus scrapes."""
     url = server.url
     shared = "You are a helpful assistant for the river and mountain survey. " * 8
-    generating = threading.Event()
-    generating.set()
-
-    def long_streams(i: int) -> list[int]:
-        # Streams follow one another until the alert fires: one alone may end between two scrapes (3 s apart)
-        # on a fast machine, and a finished request's blocks no longer count as used.
-        statuses = [_chat(url, shared + f"Question {i}?", 200, True)]
-        while generating.is_set():
-            statuses.append(_chat(url, shared + f"Question {i}?", 200, True))
-        return statuses
-
     with ThreadPoolExecutor(max_workers=6) as pool:
-        streams = [pool.submit(long_streams, i) for i in range(4)]
+        # Long streams follow one another until the alert fires: one alone may end between two scrapes (3 s
+        # apart) on a fast machine, and a finished request's blocks no longer count as used.
+        streams = RepeatingCallers(pool, 4, lambda i, _: _chat(url, shared + f"Question {i}?", 200, True))
         futures = [pool.submit(_chat, url, shared + f"Short {i}", 8, i % 2 == 0) for i in range(8)]
         # While the long streams generate, the KV cache holds their blocks: the provoked alert fires.
         try:
             prometheus.provoked = prometheus_wait_firing(prometheus, PROVOKED, timeout_s=SERIES_TIMEOUT_S)
         finally:
-            generating.clear()
-        statuses = [f.result() for f in futures] + [status for f in streams for status in f.result()]
+            streams.stop()
+        statuses = [f.result() for f in futures] + streams.statuses()
     assert statuses == [200] * len(statuses)
     httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4}, timeout=60)
     httpx.post(f"{url}/v1/completions", json={"model": "gpt-9", "prompt": "x"}, timeout=60)  # 404
@@ -382,25 +397,20 @@ def restarted(loaded: Prometheus, server: Server) -> list[dict[str, Any]]:
     """
     # Four callers keep long requests going until the kill has landed: the killer connects to Ray
     # first (seconds), and on a fast machine one round of 600-token requests can end before that.
-    body = {"model": MODEL, "prompt": "the survey of rivers", "max_tokens": 600, "ignore_eos": True}
-    kill_landed = threading.Event()
+    body = {"model": MODEL, "max_tokens": 600, "ignore_eos": True}
 
-    def keep_asking(caller: int) -> list[int]:
-        statuses = []
-        while not kill_landed.is_set():
-            prompt = f"{caller} rivers {len(statuses)}"
-            reply = httpx.post(f"{server.url}/v1/completions", json=body | {"prompt": prompt}, timeout=300)
-            statuses.append(reply.status_code)
-        return statuses
+    def complete(caller: int, n: int) -> int:
+        reply = httpx.post(f"{server.url}/v1/completions", json=body | {"prompt": f"{caller} rivers {n}"}, timeout=300)
+        return reply.status_code
 
     with ThreadPoolExecutor(max_workers=4) as pool:
-        callers = [pool.submit(keep_asking, i) for i in range(4)]
+        callers = RepeatingCallers(pool, 4, complete)
         try:
             loaded.poll('sum(flotilla_group_in_flight_requests{group="group-1"}) > 0', timeout_s=30)
             kill_leader(server, "group-1")
         finally:
-            kill_landed.set()  # or failed: the callers stop either way
-        statuses = [status for caller in callers for status in caller.result()]
+            callers.stop()
+        statuses = callers.statuses()
     assert statuses and set(statuses) == {200}, "requests on the killed group must be retried elsewhere"
     return loaded.poll(alert_expr("FlotillaGroupRestartStorm", ("> 3", "> 0")), timeout_s=60)
 
