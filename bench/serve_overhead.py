@@ -541,7 +541,17 @@ def per_round(runs: list[dict[str, Any]], ours: str, peer: str, n: int) -> str:
 
 def engine_lines(rows: dict[str, dict[str, float]], output_len: int, concurrency: int) -> list[str]:
     """Where TTFT and TPOT go: vLLM's own timings of the engine, beside the client's, at both concurrencies."""
-    lines = [
+    table = [
+        f"| {name} | {n} | {r[f'{phase}_queue_ms']:.1f} ms | {r[f'{phase}_prefill_ms']:.1f} ms "
+        f"| {r[f'{phase}_engine_ttft_ms']:.1f} ms | {r[f'{phase}_mean_ttft_ms']:.1f} ms "
+        f"| {r[f'{phase}_decode_ms'] / max(output_len - 1, 1):.1f} ms | {r[f'{phase}_mean_tpot_ms']:.1f} ms |"
+        for name, r in rows.items()
+        for phase, n in (("c1", 1), ("cN", concurrency))
+        if all(f"{phase}_{key}" in r for key in ENGINE_TIMES)
+    ]
+    if not table:
+        return []
+    return [
         "",
         "Inside the engine (means of vLLM's own histograms over the same requests; behind a balancer, one "
         "server's): queue = EngineCore, in the scheduler's waiting queue → scheduled; prefill = EngineCore, "
@@ -554,19 +564,8 @@ def engine_lines(rows: dict[str, dict[str, float]], output_len: int, concurrency
         "| target | concurrency | queue | prefill | engine TTFT | client TTFT (mean) "
         "| EngineCore step (decode ÷ steps) | client TPOT |",
         "|---|---|---|---|---|---|---|---|",
+        *table,
     ]
-    timed = 0
-    for name, r in rows.items():
-        for phase, n in (("c1", 1), ("cN", concurrency)):
-            if not all(f"{phase}_{key}" in r for key in ENGINE_TIMES):
-                continue
-            timed += 1
-            lines.append(
-                f"| {name} | {n} | {r[f'{phase}_queue_ms']:.1f} ms | {r[f'{phase}_prefill_ms']:.1f} ms "
-                f"| {r[f'{phase}_engine_ttft_ms']:.1f} ms | {r[f'{phase}_mean_ttft_ms']:.1f} ms "
-                f"| {r[f'{phase}_decode_ms'] / max(output_len - 1, 1):.1f} ms | {r[f'{phase}_mean_tpot_ms']:.1f} ms |"
-            )
-    return lines if timed else []
 
 
 def eplb_lines(runs: list[dict[str, Any]]) -> list[str]:
