@@ -10,14 +10,17 @@ prefix-cache counters (``vllm:prefix_cache_hits_total`` / ``queries_total`` in `
 not from the router's belief. Workloads ``c4``, ``c8`` and ``short`` run closed-loop at their concurrency;
 ``rate`` sends requests open-loop, at 2 per second (Poisson), at most 16 in flight.
 ``cache_aware (previous)`` is the policy as it was before it kept a
-prefix on the groups owning it (``keep_prefix_owners: false``).
+prefix on the groups owning it (``keep_prefix_owners: false``). With ``--rounds N`` every arm runs N
+times, a seed per round (Flotilla's policies in a rotated order, so none always runs first), and the table
+shows medians, the rounds' TTFT p50s beside them: one run of 72–96 requests moves by more than the
+policies differ.
 
 The peers, in the same run, on engines with the same settings (2 engines, ``--blocks`` each, one
 OpenMP thread): ``sglang``, SGLang's gateway (``cache_aware``) in front of 2 vLLM OpenAI servers;
 ``ray``, Ray Serve LLM with 2 replicas and its ``PrefixCacheAffinityRouter``. Their prefix caches
 are emptied before each workload too, and their hit rates are the engines' counters as well.
 
-    python -m bench.route_live [--blocks 48] [--workloads c4,c8,short,rate] [--arms flotilla,sglang,ray]
+    python -m bench.route_live [--blocks 48] [--rounds 3] [--workloads c4,c8,short,rate] [--arms flotilla,sglang,ray]
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import date
+from functools import partial
+from statistics import median
 from typing import Any, Protocol
 
 from bench.common import RESULTS, publish
@@ -76,6 +81,7 @@ class Run:
     ttft_p50_ms: float
     ttft_p99_ms: float
     output_tokens_per_s: float
+    round: int = 1
 
 
 def bench_serve(url: str, workload: Workload, seed: int) -> dict[str, Any]:
@@ -112,11 +118,12 @@ def warm_up(stack: Stack, workload: Workload) -> None:
     bench_serve(stack.url, workload, seed=1)
 
 
-def measure(stack: Stack, workload: Workload, label: str, reset: Callable[[], None]) -> Run:
-    """One measured run: every engine's prefix cache emptied (``reset``), then the workload's prompts."""
+def measure(stack: Stack, workload: Workload, label: str, reset: Callable[[], None], round_number: int) -> Run:
+    """One measured run: every engine's prefix cache emptied (``reset``), then the workload's prompts (each
+    round its own seed, every arm the same)."""
     reset()
     hits_before, queries_before = stack.engine_prefix_cache()
-    result = bench_serve(stack.url, workload, seed=7)
+    result = bench_serve(stack.url, workload, seed=6 + round_number)
     hits, queries = stack.engine_prefix_cache()
     run = Run(
         workload.name,
@@ -125,28 +132,43 @@ def measure(stack: Stack, workload: Workload, label: str, reset: Callable[[], No
         result["median_ttft_ms"],
         result["p99_ttft_ms"],
         result["output_throughput"],
+        round_number,
     )
     print(f"  {run}", flush=True)
     return run
 
 
 def render(runs: list[Run], args: argparse.Namespace, command: str) -> str:
+    rounds = (
+        f" Medians over {args.rounds} rounds (Flotilla's policies in a rotated order each round)."
+        if args.rounds > 1
+        else ""
+    )
+    per_round = " TTFT p50 per round |" if args.rounds > 1 else ""
     lines = [
         f"Date: {date.today().isoformat()}. Command: `{command.strip()}`. One `flotilla serve`, 2 groups of "
         f"`bench-llama` (float32, CPU, 1 thread each, {args.blocks} KV blocks × 128 tokens each), policies switched "
         "live with `PUT /admin/routing`; the peers on 2 engines with the same settings: `sglang` = SGLang's gateway "
         "(`cache_aware`) in front of 2 vLLM OpenAI servers, `ray` = Ray Serve LLM, 2 replicas, "
         "`PrefixCacheAffinityRouter`. Every engine's prefix cache emptied before each run; load: vLLM's `bench serve` "
-        "client, `prefix_repetition` dataset, same seed for every arm. Hit rate: the engines' own counters.",
+        "client, `prefix_repetition` dataset, same seed for every arm (a seed per round). Hit rate: the engines' own "
+        f"counters.{rounds}",
         "",
-        "| workload | policy | hit rate | TTFT p50 | TTFT p99 | output tok/s |",
-        "|---|---|---|---|---|---|",
+        "| workload | policy | hit rate | TTFT p50 | TTFT p99 | output tok/s |" + per_round,
+        "|---|---|---|---|---|---|" + ("---|" if per_round else ""),
     ]
+    arms: dict[tuple[str, str], list[Run]] = {}
     for r in runs:
-        lines.append(
-            f"| {r.workload} | {r.policy} | {r.hit_rate:.3f} | {r.ttft_p50_ms:.0f} ms | {r.ttft_p99_ms:.0f} ms | "
-            f"{r.output_tokens_per_s:.1f} |"
+        arms.setdefault((r.workload, r.policy), []).append(r)
+    for (workload, policy), arm in arms.items():
+        line = (
+            f"| {workload} | {policy} | {median(r.hit_rate for r in arm):.3f} | "
+            f"{median(r.ttft_p50_ms for r in arm):.0f} ms | {median(r.ttft_p99_ms for r in arm):.0f} ms | "
+            f"{median(r.output_tokens_per_s for r in arm):.1f} |"
         )
+        if per_round:
+            line += " " + " · ".join(f"{r.ttft_p50_ms:.0f}" for r in sorted(arm, key=lambda r: r.round)) + " ms |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -155,6 +177,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=48, help="KV blocks (128 tokens) per group")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {sorted(WORKLOADS)}")
     parser.add_argument("--arms", default="flotilla,sglang,ray", help="flotilla (every policy), sglang, ray")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every arm and workload; the table shows medians")
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args()
     subprocess.run([sys.executable, "-m", "flotilla.cli", "make-model", "bench-llama"], cwd=REPO, check=True)
@@ -167,8 +190,11 @@ def main() -> None:
         try:
             for workload in workloads:
                 warm_up(flotilla, workload)
-                for label, policy, params in POLICIES:
-                    runs.append(measure(flotilla, workload, label, lambda p=policy, q=params: flotilla.prepare(p, q)))
+                for round_index in range(args.rounds):
+                    turn = round_index % len(POLICIES)
+                    for label, policy, params in POLICIES[turn:] + POLICIES[:turn]:
+                        prepare = partial(flotilla.prepare, policy, params)
+                        runs.append(measure(flotilla, workload, label, prepare, round_index + 1))
         finally:
             flotilla.stop()
     if "sglang" in arms:
@@ -179,7 +205,8 @@ def main() -> None:
                 sglang = PeerStack(router.url, servers)
                 for workload in workloads:
                     warm_up(sglang, workload)
-                    runs.append(measure(sglang, workload, "sglang", servers.reset))
+                    for round_index in range(args.rounds):
+                        runs.append(measure(sglang, workload, "sglang", servers.reset, round_index + 1))
             finally:
                 router.stop()
         finally:
@@ -189,7 +216,8 @@ def main() -> None:
         try:
             for workload in workloads:
                 warm_up(ray_llm, workload)
-                runs.append(measure(ray_llm, workload, "ray", ray_llm.reset))
+                for round_index in range(args.rounds):
+                    runs.append(measure(ray_llm, workload, "ray", ray_llm.reset, round_index + 1))
         finally:
             ray_llm.stop()
     report = render(runs, args, "python -m bench.route_live " + " ".join(sys.argv[1:]))
