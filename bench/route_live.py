@@ -21,6 +21,7 @@ OpenMP thread): ``sglang``, SGLang's gateway (``cache_aware``) in front of 2 vLL
 are emptied before each workload too, and their hit rates are the engines' counters as well.
 
     python -m bench.route_live [--blocks 48] [--rounds 3] [--workloads c4,c8,short,rate] [--arms flotilla,sglang,ray]
+        [--policies prefix_only,cache_aware] [--prompts 768]
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import argparse
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import date
 from functools import partial
 from statistics import median
@@ -176,13 +177,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, default=48, help="KV blocks (128 tokens) per group")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {sorted(WORKLOADS)}")
-    parser.add_argument("--arms", default="flotilla,sglang,ray", help="flotilla (every policy), sglang, ray")
+    parser.add_argument("--arms", default="flotilla,sglang,ray", help="flotilla (its --policies), sglang, ray")
     parser.add_argument("--rounds", type=int, default=1, help="runs of every arm and workload; the table shows medians")
+    parser.add_argument(
+        "--policies", default=",".join(label for label, _, _ in POLICIES), help="Flotilla's arms, by their labels"
+    )
+    parser.add_argument("--prompts", type=int, help="requests per run instead of each workload's own count")
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args()
+    unknown = set(args.policies.split(",")) - {label for label, _, _ in POLICIES}
+    if unknown:
+        parser.error(f"unknown policies {sorted(unknown)}: of {[label for label, _, _ in POLICIES]}")
     subprocess.run([sys.executable, "-m", "flotilla.cli", "make-model", "bench-llama"], cwd=REPO, check=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     workloads = [WORKLOADS[key] for key in args.workloads.split(",")]
+    if args.prompts:
+        workloads = [replace(w, name=f"{w.name}, {args.prompts} prompts", prompts=args.prompts) for w in workloads]
+    policies = [arm for arm in POLICIES if arm[0] in args.policies.split(",")]
     arms = args.arms.split(",")
     runs = []
     if "flotilla" in arms:
@@ -191,8 +202,8 @@ def main() -> None:
             for workload in workloads:
                 warm_up(flotilla, workload)
                 for round_index in range(args.rounds):
-                    turn = round_index % len(POLICIES)
-                    for label, policy, params in POLICIES[turn:] + POLICIES[:turn]:
+                    turn = round_index % len(policies)
+                    for label, policy, params in policies[turn:] + policies[:turn]:
                         prepare = partial(flotilla.prepare, policy, params)
                         runs.append(measure(flotilla, workload, label, prepare, round_index + 1))
         finally:
