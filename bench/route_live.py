@@ -185,15 +185,15 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, help="requests per run instead of each workload's own count")
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args()
-    unknown = set(args.policies.split(",")) - {label for label, _, _ in POLICIES}
-    if unknown:
-        parser.error(f"unknown policies {sorted(unknown)}: of {[label for label, _, _ in POLICIES]}")
+    labels, chosen = [label for label, _, _ in POLICIES], args.policies.split(",")
+    if unknown := sorted(set(chosen) - set(labels)):
+        parser.error(f"unknown policies {unknown}: of {labels}")
     subprocess.run([sys.executable, "-m", "flotilla.cli", "make-model", "bench-llama"], cwd=REPO, check=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     workloads = [WORKLOADS[key] for key in args.workloads.split(",")]
     if args.prompts:
         workloads = [replace(w, name=f"{w.name}, {args.prompts} prompts", prompts=args.prompts) for w in workloads]
-    policies = [arm for arm in POLICIES if arm[0] in args.policies.split(",")]
+    policies = [arm for arm in POLICIES if arm[0] in chosen]
     arms = args.arms.split(",")
     runs = []
     if "flotilla" in arms:
