@@ -5,10 +5,12 @@ It behaves like vLLM where routing can see it, in virtual time:
 * a paged KV cache of ``num_blocks`` blocks with prefix caching: full blocks are keyed exactly
   like vLLM's (``router.block_keys``) over prompt + output, blocks of finished requests stay
   cached and are evicted least recently used first;
-* a scheduler step admits waiting requests while blocks are free, prefills up to
-  ``max_batched_tokens`` uncached prompt tokens (chunked prefill) and decodes one token for
-  every running request; a step lasts ``step_overhead_s`` + prefill tokens ×
-  ``prefill_s_per_token`` + decoding requests × ``decode_s_per_seq``;
+* a scheduler step schedules the running requests' prefill chunks first, then admits waiting
+  requests while blocks are free and the step's ``max_batched_tokens`` last (chunked prefill),
+  and decodes one token for every running request; a step lasts ``step_overhead_s`` + prefill
+  tokens × ``prefill_s_per_token`` + decoding requests × ``decode_s_per_seq``;
+* a prompt block is shareable from the step that schedules its computation on, as vLLM caches it
+  then: a request admitted after the one computing a prefix finds it cached;
 * it reports the same stats (running, waiting, KV usage, prefix-cache queries and hits) and
   emits the same KV events (``stored`` for newly cached full blocks, ``removed`` on eviction).
 
@@ -54,6 +56,8 @@ class SimRequest:
     computed_tokens: int = 0
     generated: int = 0
     private_blocks: int = 0
+    scheduled_blocks: int = 0
+    """Leading prompt blocks cached or scheduled for computation (then cached, as vLLM does)."""
     own_keys: list[int] = field(default_factory=list)
     first_token_s: float | None = None
     finished_s: float | None = None
@@ -100,18 +104,17 @@ class SimEngine:
     def step(self, now_s: float) -> float:
         """Run one step starting at ``now_s``; returns its duration (0 when there is nothing to do)."""
         events: list[KvEvent] = []
-        self._admit(events)
-        budget, prefill_tokens, decoding = self.config.max_batched_tokens, 0, 0
-        for request in self.running:
-            if request.prefill_done:
-                decoding += 1
-            elif budget > 0:
-                chunk = min(budget, len(request.prompt) - request.computed_tokens)
-                request.computed_tokens += chunk
-                budget -= chunk
-                prefill_tokens += chunk
-                if request.prefill_done:
-                    self._store_prompt_blocks(request, events)
+        decoding = sum(1 for request in self.running if request.prefill_done)
+        budget = self.config.max_batched_tokens
+        for request in self.running:  # like vLLM's scheduler: running requests first, then waiting ones
+            if not request.prefill_done and budget > 0:
+                budget -= self._prefill_chunk(request, budget, events)
+        while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
+            admitted = self._admit(events)
+            if admitted is None:
+                break
+            budget -= self._prefill_chunk(admitted, budget, events)
+        prefill_tokens = self.config.max_batched_tokens - budget
         if not prefill_tokens and not decoding:
             self._emit(events)
             return 0.0
@@ -130,41 +133,53 @@ class SimEngine:
         return end - now_s
 
     # --- KV cache ----------------------------------------------------------------------------------
-    def _admit(self, events: list[KvEvent]) -> None:
+    def _admit(self, events: list[KvEvent]) -> SimRequest | None:
+        """The first waiting request, now running with its cached prefix; None while its blocks do not fit."""
         size = self.config.block_size
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            hits = 0
-            for key in request.keys[: len(request.prompt) // size]:
-                if key not in self.pinned and key not in self.cached:
-                    break
-                hits += 1
-            if hits * size >= len(request.prompt):  # vLLM always recomputes the last prompt token
-                hits -= 1
-            hit_keys = request.keys[:hits]
-            new_blocks = math.ceil((len(request.prompt) + len(request.output)) / size) - hits
-            free = self.config.num_blocks - self.used_blocks - len(self.cached)
-            evictable = len(self.cached) - sum(1 for key in hit_keys if key in self.cached)
-            if new_blocks > free + evictable:
-                break  # waits until running requests free blocks
-            self.waiting.popleft()
-            for key in hit_keys:
-                self._pin(key)
-            if new_blocks > free:
-                self._evict(new_blocks - free, events)
-            request.private_blocks = new_blocks
-            self.private_blocks += new_blocks
-            self.prefix_queries += len(request.prompt)
-            self.prefix_hits += hits * size
-            request.cached_tokens = request.computed_tokens = hits * size
-            request.own_keys = list(hit_keys)
-            self.running.append(request)
+        request = self.waiting[0]
+        hits = 0
+        for key in request.keys[: len(request.prompt) // size]:
+            if key not in self.pinned and key not in self.cached:
+                break
+            hits += 1
+        if hits * size >= len(request.prompt):  # vLLM always recomputes the last prompt token
+            hits -= 1
+        hit_keys = request.keys[:hits]
+        new_blocks = math.ceil((len(request.prompt) + len(request.output)) / size) - hits
+        free = self.config.num_blocks - self.used_blocks - len(self.cached)
+        evictable = len(self.cached) - sum(1 for key in hit_keys if key in self.cached)
+        if new_blocks > free + evictable:
+            return None  # waits until running requests free blocks
+        self.waiting.popleft()
+        for key in hit_keys:
+            self._pin(key)
+        if new_blocks > free:
+            self._evict(new_blocks - free, events)
+        request.private_blocks = new_blocks
+        self.private_blocks += new_blocks
+        self.prefix_queries += len(request.prompt)
+        self.prefix_hits += hits * size
+        request.cached_tokens = request.computed_tokens = hits * size
+        request.own_keys = list(hit_keys)
+        request.scheduled_blocks = hits
+        self.running.append(request)
+        return request
+
+    def _prefill_chunk(self, request: SimRequest, budget: int, events: list[KvEvent]) -> int:
+        """Schedule up to ``budget`` of the request's uncached prompt tokens; returns how many."""
+        chunk = min(budget, len(request.prompt) - request.computed_tokens)
+        request.computed_tokens += chunk
+        self._store_prompt_blocks(request, events)
+        return chunk
 
     def _store_prompt_blocks(self, request: SimRequest, events: list[KvEvent]) -> None:
-        """Prefill filled the prompt's blocks: they become shareable, and the engine says so."""
+        """The prompt blocks this step fills become shareable now, as vLLM caches a block when it schedules its
+        computation (``KVCacheManager.allocate_slots``): a request scheduled after this one, in this step or a
+        later one, finds them cached. The engine says so at the step's end."""
         size = self.config.block_size
+        upto = min(request.computed_tokens, len(request.prompt)) // size
         stored = []
-        for key in request.keys[request.cached_tokens // size : len(request.prompt) // size]:
+        for key in request.keys[request.scheduled_blocks : upto]:
             if key in self.pinned or key in self.cached:
                 continue  # computed twice concurrently: the duplicate stays private
             self.pinned[key] = 1
@@ -172,6 +187,7 @@ class SimEngine:
             request.private_blocks -= 1
             self.private_blocks -= 1
             stored.append(key)
+        request.scheduled_blocks = max(request.scheduled_blocks, upto)
         if stored:
             events.append(KvEvent("stored", tuple(stored)))
 
