@@ -75,7 +75,7 @@ class Router:
         self._capacity = np.zeros(INITIAL_ROWS, dtype=np.int64)
         self._slot = np.zeros(INITIAL_ROWS, dtype=np.int64)  # the group's column in index.held
         self._live_rows = np.zeros(0, dtype=np.int64)
-        self._prefilling: dict[int, dict[int, int]] = {}  # first block → row → requests not yet prefilled
+        self._prefilling: dict[int, dict[int, list[Decision]]] = {}  # first block → row → requests not yet prefilled
 
     # --- membership --------------------------------------------------------------------------
     @property
@@ -142,7 +142,9 @@ class Router:
         request = RoutingRequest(request_id, prompt_token_ids, self.block_size, head=head)
         matched = _candidate_column(rows, {self._rows[name]: depth for name, depth in matches.items()})
         best = int(matched.max())
-        prefilling = _candidate_column(rows, self._prefilling.get(head, {}) if head is not None else {})
+        in_prefill = self._prefilling.get(head, {}) if head is not None else {}
+        prefilling = _candidate_column(rows, {row: len(decisions) for row, decisions in in_prefill.items()})
+        computing = _candidate_column(rows, self._shared_in_prefill(in_prefill, prompt_token_ids))
         pick = slice(0, len(rows)) if rows[-1] == len(rows) - 1 else rows  # all live: views, no copies
         candidates = Candidates(
             in_flight=self._in_flight[pick],
@@ -153,6 +155,7 @@ class Router:
             matched_blocks=matched,
             free_blocks=self._capacity[pick] - self.index.held[self._slot[pick]],
             prefilling=prefilling,
+            prefilling_blocks=computing,
             capacity_blocks=self._capacity[pick],
             group_ids=rows,
         )
@@ -161,14 +164,31 @@ class Router:
         request.group_id = row
         name = self._names[row]
         chosen_matched = int(matched[choice])
-        uncached = max(0, request.prompt_tokens - chosen_matched * self.block_size)
+        expected_hits = max(chosen_matched, int(computing[choice]))  # what vLLM will find cached when it schedules it
+        uncached = max(0, request.prompt_tokens - expected_hits * self.block_size)
         self._in_flight[row] += 1
         self._pending[row] += uncached
+        decision = Decision(request, name, chosen_matched, best, uncached, self._clock() - started, row, head)
         if head is not None:
-            heads = self._prefilling.setdefault(head, {})
-            heads[row] = heads.get(row, 0) + 1
+            self._prefilling.setdefault(head, {}).setdefault(row, []).append(decision)
         self.policy.on_routed(request, name)
-        return Decision(request, name, chosen_matched, best, uncached, self._clock() - started, row, head)
+        return decision
+
+    def _shared_in_prefill(self, in_prefill: dict[int, list[Decision]], prompt_token_ids: list[int]) -> dict[int, int]:
+        """Per row: the most leading blocks of this prompt that a request being prefilled there shares."""
+        if not in_prefill:
+            return {}
+        prompt = np.asarray(prompt_token_ids)
+        whole = len(prompt) // self.block_size
+        shared: dict[int, int] = {}
+        for row, decisions in in_prefill.items():
+            most = 0
+            for decision in decisions:
+                most = max(most, _shared_blocks(decision.request.prompt_token_ids, prompt, self.block_size))
+                if most == whole:
+                    break
+            shared[row] = most
+        return shared
 
     def first_token(self, decision: Decision) -> None:
         """The prompt is prefilled: the group now caches its full blocks (which also renews them in its LRU)."""
@@ -197,7 +217,7 @@ class Router:
         self._pending[decision.row] -= decision.uncached_tokens
         if decision.head is not None:
             heads = self._prefilling[decision.head]
-            heads[decision.row] -= 1
+            heads[decision.row].remove(decision)
             if not heads[decision.row]:
                 del heads[decision.row]
                 if not heads:
@@ -216,6 +236,15 @@ class Router:
             grown = np.zeros(size, dtype=column.dtype)
             grown[: len(column)] = column
             setattr(self, attr, grown)
+
+
+def _shared_blocks(other: list[int], prompt: np.ndarray, block_size: int) -> int:
+    """Leading full blocks ``other`` has in common with ``prompt``."""
+    n = min(len(other), len(prompt)) // block_size * block_size
+    if not n:
+        return 0
+    differ = np.flatnonzero(np.asarray(other[:n]) != prompt[:n])
+    return int(differ[0] if len(differ) else n) // block_size
 
 
 def _candidate_column(rows: np.ndarray, by_row: dict[int, int]) -> np.ndarray:

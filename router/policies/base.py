@@ -60,6 +60,10 @@ class Candidates:
     prefilling: np.ndarray
     """This router's requests on each group that begin with this request's first block and have no first token
     yet: that group is computing the prefix now, and its index learns of it only once the prefill is done."""
+    prefilling_blocks: np.ndarray
+    """The most leading blocks of this prompt that a request being prefilled on each group shares. vLLM caches a
+    block as soon as it schedules its computation, so a request sent there now finds them cached (as
+    ``matched_blocks``, which the index shows only once that prefill is done)."""
     capacity_blocks: np.ndarray
     """KV blocks each group's cache has."""
     group_ids: np.ndarray

@@ -22,10 +22,10 @@ Per request, in five steps:
 3. **Score** every remaining group by the work ahead of this request's first token, and the cache
    it would cost, in prompt-token units::
 
-       cost = pending_prefill_tokens + (prompt_tokens − matched_blocks × block_size)
+       cost = pending_prefill_tokens + (prompt_tokens − held_blocks × block_size)
               + decode_weight × outstanding
-              + duplicate_weight × (best_matched_blocks − matched_blocks) × block_size
-              + eviction_weight × max(0, uncached_blocks − free_blocks) × block_size
+              + duplicate_weight × (most_held_blocks − held_blocks) × block_size
+              + eviction_weight × max(0, prompt_blocks − held_blocks − free_blocks) × block_size
 
    i.e. the prefill already queued there, this request's uncached prefill, the decode steps it
    shares with the group's running requests, the prefix a second copy would compute again when
@@ -33,14 +33,19 @@ Per request, in five steps:
    pressure each of those is another prefix some later request misses. Misses therefore go to the
    least-loaded group (not to the group with the smallest cache, which piles new work onto busy
    groups), preferring one with room for them.
-4. **Follow a prefill in progress.** A request no group's index holds any block of may share its
-   prefix with a request another group is prefilling right now (the index learns of blocks only once
-   their prefill is done). Where computing that prefix again would evict cached blocks (the prompt
-   needs more blocks than a group has free), such a group is passed over for one prefilling the same
-   first block (``follow_prefill``); where a group has room, the costs decide, so a hot prefix still
-   spreads. (Measured on the simulated grid: the worst cell's hit rate went from 0.825× to 0.869×
-   ``prefix_only``'s; following always, regardless of room, cost the hot-prefix and multi-turn
-   cells up to 4.4× their TTFT p50.)
+4. **A prefix being computed counts as held.** ``held_blocks`` is the larger of what a group's index
+   holds and what a request it is prefilling shares with this prompt: vLLM caches a block as soon
+   as it schedules its computation (``KVCacheManager.allocate_slots``), so a request sent there now
+   finds the prefix cached, while the index learns of it only once that prefill is done. Costing
+   it as a miss sent every request that came during the first prefill of its prefix to another
+   group, which computed the prefix again (measured on the simulated grid, 8 seeds, 288 cells,
+   with the simulator caching blocks as vLLM does: 239 cells at ≥ 0.97× the best of
+   ``prefix_only`` and the oracle against 116, TTFT p99 0.775× ``prefix_only``'s against 0.898×).
+   Except where a prefix spreads (a hot one, step 1's ``hot_share``, or any without
+   ``keep_prefix_owners``): there the duplicate term counts only what indexes hold, so a copy of a
+   prefix still being prefilled costs only its own prefill and the first burst spreads over the
+   groups (counting prefills there too put all 64 requests of the grid's ``hot`` cell on one group:
+   TTFT p50 261 ms against 38 ms).
 5. **Pick** the cheapest; equal costs take turns in the order groups joined (deterministic, yet fair).
 
 Why the KV-usage filter is off by default (``kv_saturation`` 1.0): when requests share long
@@ -127,14 +132,6 @@ class CacheAwareParams(PolicyParams):
             "group owning it, may go anywhere the costs say: a hot prefix spreads, one more group at a time."
         ),
     )
-    follow_prefill: bool = Field(
-        True,
-        description=(
-            "A request no group holds any of passes over the groups where computing its prefix would evict cached "
-            "blocks for a (not saturated) group prefilling a request with its first block: the prefix is being "
-            "computed there. Groups with room for it stay in, and the costs decide."
-        ),
-    )
 
 
 class CacheAwarePolicy(RoutingPolicy):
@@ -152,17 +149,13 @@ class CacheAwarePolicy(RoutingPolicy):
     def choose(self, request: RoutingRequest, groups: Candidates) -> int:
         """The cheapest allowed group; the choice is recorded as routed (the router sends every chosen request)."""
         outstanding = groups.outstanding
-        cost = self.costs(request, groups, outstanding)
         allowed = self.owners.allowed(request, groups, outstanding) if self.owners else None
+        cost = self.costs(request, groups, outstanding, spreads=allowed is None or allowed.hot)
         saturated = self.saturated(groups, outstanding)
-        if allowed is not None:  # only the prefix's owners and the groups with room for another copy
-            cost[~allowed] = np.inf
+        if allowed is not None and allowed.groups is not None:  # the prefix's owners and groups with room for a copy
+            cost[~allowed.groups] = np.inf
         if (np.isfinite(cost) & ~saturated).any():
             cost[saturated] = np.inf
-        if self.p.follow_prefill and not groups.matched_blocks.any():
-            prefilling = groups.prefilling > 0
-            if (prefilling & np.isfinite(cost)).any():
-                cost[~prefilling & (request.prompt_blocks > groups.free_blocks)] = np.inf
         choice = self._ties.pick(np.flatnonzero(cost == cost.min()))
         if self.owners:
             self.owners.routed(request, groups, choice)
@@ -176,14 +169,19 @@ class CacheAwarePolicy(RoutingPolicy):
         limit = self.p.balance_abs + self.p.balance_rel * outstanding.min()
         return (groups.kv_usage >= self.p.kv_saturation) | (outstanding > limit)
 
-    def costs(self, request: RoutingRequest, groups: Candidates, outstanding: np.ndarray) -> np.ndarray:
-        """Prompt-token equivalents of work ahead of the first token, per group (a fresh array)."""
-        matched_tokens = groups.matched_blocks * request.block_size
+    def costs(
+        self, request: RoutingRequest, groups: Candidates, outstanding: np.ndarray, spreads: bool = False
+    ) -> np.ndarray:
+        """Prompt-token equivalents of work ahead of the first token, per group (a fresh array). A group prefilling
+        part of the prompt counts as holding it (vLLM will find it cached); where the prefix ``spreads``, a copy
+        of what is still being prefilled costs only its own prefill."""
+        held = np.maximum(groups.matched_blocks, groups.prefilling_blocks)
         cost = groups.pending_prefill_tokens + self.p.decode_weight * outstanding
-        cost += np.maximum(0, request.prompt_tokens - matched_tokens)
+        cost += np.maximum(0, request.prompt_tokens - held * request.block_size)
         if self.p.duplicate_weight:
-            cost += self.p.duplicate_weight * (matched_tokens.max() - matched_tokens)
+            copied = groups.matched_blocks if spreads else held
+            cost += self.p.duplicate_weight * request.block_size * (copied.max() - copied)
         if self.p.eviction_weight:
-            evicted = np.maximum(0, request.prompt_blocks - groups.matched_blocks - groups.free_blocks)
+            evicted = np.maximum(0, request.prompt_blocks - held - groups.free_blocks)
             cost += self.p.eviction_weight * request.block_size * evicted
         return cost

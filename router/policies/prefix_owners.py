@@ -47,6 +47,14 @@ class _Prefix:
     """Group id → its requests in flight there."""
 
 
+@dataclass(frozen=True, slots=True)
+class Allowed:
+    groups: np.ndarray | None
+    """A boolean column: the prefix's owners and the groups with room for another copy; None: any group."""
+    hot: bool
+    """The prefix has more requests in flight than its owners' fair share: it spreads, one more group at a time."""
+
+
 class PrefixOwners:
     def __init__(self, private_blocks: float, hot_share: float) -> None:
         self.private_blocks = private_blocks
@@ -56,26 +64,26 @@ class PrefixOwners:
         self._inflow = np.zeros(16, dtype=np.int64)  # per group id: blocks routed there to be filled, cumulative
         self._last_use: dict[int, OrderedDict[int, int]] = {}  # group id → head → its inflow at the last use, LRU
 
-    def allowed(self, request: RoutingRequest, groups: Candidates, outstanding: np.ndarray) -> np.ndarray | None:
-        """Which candidates the request may go to (a boolean column), or None where the costs alone decide;
-        ``outstanding``: :attr:`Candidates.outstanding`, computed once per decision."""
+    def allowed(self, request: RoutingRequest, groups: Candidates, outstanding: np.ndarray) -> Allowed:
+        """Which candidates the request may go to, and whether its prefix is hot; ``outstanding``:
+        :attr:`Candidates.outstanding`, computed once per decision."""
         head = request.head
         prefix = self._prefixes.get(head) if head is not None else None
         if head is None or prefix is None or not prefix.owners:
-            return None
+            return Allowed(None, hot=False)
         live = self._live_owner_positions(head, prefix, groups)
         if not live:
-            return None
+            return Allowed(None, hot=False)
         in_flight = sum(prefix.in_flight.values())
         fair_share = max(1.0, outstanding.sum() / len(groups))
         if in_flight > self.hot_share * fair_share * len(live):
-            return None
+            return Allowed(None, hot=True)
         ids = groups.group_ids
         self._fit(int(ids[-1]))
         used = self._owned_blocks[ids] + self.private_blocks * (groups.in_flight + 1) + prefix.blocks
         allowed = used <= groups.capacity_blocks
         allowed[live] = True
-        return allowed
+        return Allowed(allowed, hot=False)
 
     def routed(self, request: RoutingRequest, groups: Candidates, choice: int) -> None:
         """Record that ``request`` goes to row ``choice`` of ``groups``."""

@@ -110,22 +110,30 @@ def test_the_routers_free_blocks_follow_the_index() -> None:
     assert seen == [[1000 - 4, 1000 - 2, 500]]  # rows in join order: a, b, c
 
 
-@pytest.mark.parametrize(
-    ("b_capacity", "follow_prefill", "expected"), [(8, True, "a"), (8, False, "b"), (64, True, "b")]
-)
-def test_a_prefix_being_prefilled_draws_a_follower_where_computing_it_again_would_evict(
-    b_capacity: int, follow_prefill: bool, expected: str
-) -> None:
-    """a is prefilling PROMPT (no first token yet, so no index holds it): a second request with that prefix
-    matches nothing. b is the less loaded; where computing the prefix there would evict b's cached blocks
-    (4 free of 8, the prompt needs 5), the follower goes to a; where b has room, load decides."""
-    r = Router(make_policy("cache_aware", {"follow_prefill": follow_prefill}), BLOCK)
-    r.add_group("a", 64)
-    r.add_group("b", b_capacity)
-    r.index.record_stored("b", block_keys([9] * 4 * BLOCK, BLOCK))
+@pytest.mark.parametrize(("keep_owners", "expected"), [(True, "a"), (False, "b")])
+def test_a_group_prefilling_the_prefix_is_costed_as_holding_it(keep_owners: bool, expected: str) -> None:
+    """a is prefilling PROMPT (no first token yet, so no index holds it). vLLM caches blocks when it schedules
+    them, so a follower sent to a finds the 4 shared blocks cached: it goes to a, though b is idle, and the
+    router counts only its own last block as prefill queued there. Without prefix owners every prefix may
+    spread: a copy of a prefix still being prefilled costs only its own prefill, and idle b is cheaper."""
+    r = router(groups=("a", "b"), keep_prefix_owners=keep_owners)
+    seen = record_candidates(r, "prefilling_blocks")
     assert r.route("first", PROMPT).group == "a"
-    follower = PROMPT[: 4 * BLOCK] + [5] * 40
-    assert r.route("follower", follower).group == expected
+    follower = r.route("follower", PROMPT[: 4 * BLOCK] + [5] * 40)
+    assert follower.group == expected
+    assert seen == [[0, 0], [4, 0]]
+    assert follower.matched_blocks == 0  # what the index held
+    assert follower.uncached_tokens == (40 if expected == "a" else len(PROMPT))
+    r.route("shares two blocks", PROMPT[: 2 * BLOCK] + [6] * BLOCK)
+    assert seen[-1][0] == 2  # as much as this prompt shares with a's prefills
+
+
+def test_a_hot_prefix_in_its_first_prefill_spreads() -> None:
+    """Requests for one prefix while its first prefill runs: the second follows it; with more in flight than
+    hot_share (1.5) × a group's fair share, the prefix is hot and copying it costs only its own prefill."""
+    r = router(groups=("a", "b"))
+    groups = [r.route(str(i), PROMPT[: 4 * BLOCK] + [i] * 40).group for i in range(3)]
+    assert groups == ["a", "a", "b"]
 
 
 def test_the_router_counts_prefills_in_progress_by_first_block_until_their_first_token() -> None:
