@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -45,6 +45,8 @@ class Decision:
     head: int | None = None
     """The prompt's first block (hashed), while its prefill is counted in ``Router._prefilling``."""
     first_token_seen: bool = False
+    tokens: np.ndarray | None = field(default=None, repr=False, compare=False)
+    """The prompt as an array, once another request compared itself with it (:meth:`Router._shared_in_prefill`)."""
 
 
 class NoRoutableGroup(Exception):
@@ -184,7 +186,9 @@ class Router:
         for row, decisions in in_prefill.items():
             most = 0
             for decision in decisions:
-                most = max(most, _shared_blocks(decision.request.prompt_token_ids, prompt, self.block_size))
+                if decision.tokens is None:
+                    decision.tokens = np.asarray(decision.request.prompt_token_ids)
+                most = max(most, _shared_blocks(decision.tokens, prompt, self.block_size))
                 if most == whole:
                     break
             shared[row] = most
@@ -238,12 +242,12 @@ class Router:
             setattr(self, attr, grown)
 
 
-def _shared_blocks(other: list[int], prompt: np.ndarray, block_size: int) -> int:
-    """Leading full blocks ``other`` has in common with ``prompt``."""
-    n = min(len(other), len(prompt)) // block_size * block_size
+def _shared_blocks(a: np.ndarray, b: np.ndarray, block_size: int) -> int:
+    """Leading full blocks two prompts have in common."""
+    n = min(len(a), len(b)) // block_size * block_size
     if not n:
         return 0
-    differ = np.flatnonzero(np.asarray(other[:n]) != prompt[:n])
+    differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0] if len(differ) else n) // block_size
 
 

@@ -10,9 +10,9 @@ Per request, in five steps:
    below, judging one request at a time, send some requests to a group that must compute their prefix
    again and evict another there, whose requests then miss in turn; owners keep the offline oracle's
    placement instead. A hot prefix (more requests in flight than ``hot_share`` × a group's fair share
-   per owner) is not restricted and spreads. (Measured on the simulated grid, 8 seeds, 248 cells: 181
-   cells at ≥ 0.97× the best of ``prefix_only`` and the oracle against 166 without, TTFT p50 0.867×
-   ``prefix_only``'s against 0.898×, p99 0.951× against 0.958×.)
+   per owner) is not restricted and spreads. (Measured on the simulated grid, 8 seeds, 288 cells:
+   239 cells at ≥ 0.97× the best of ``prefix_only`` and the oracle against 135 without, TTFT p50
+   0.695× ``prefix_only``'s against 0.794×, p99 0.775× against 0.831×.)
 2. **Filter saturated groups.** A group is saturated when it carries more than ``balance_abs`` +
    ``balance_rel`` × the least loaded group's outstanding requests (or, if enabled, its KV cache
    is nearly full: ``kv_saturation``). Saturated groups get no traffic while another allowed group is

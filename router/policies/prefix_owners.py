@@ -17,7 +17,7 @@ requests sent to a group whose cached prefix was evicted before they ran). The o
   request this router has in flight there, this one included (its suffix and output, which no index
   shows). A prefix counts from its first request: counting only prefixes already requested twice let
   the first burst of requests copy prefixes onto groups that looked empty (measured on 8 seeds of the
-  grid: 176 cells at 0.97× the best hit rate against 182).
+  grid, on the simulator before 2026-12-06: 176 cells at 0.97× the best hit rate against 182).
 * A request for an owned prefix may go to its owners and to any group with room for one more copy;
   the policy's costs choose among those. A prefix whose requests in flight exceed ``hot_share`` × a
   group's fair share of all requests in flight, per owner, is unrestricted (a hot prefix spreads, and
