@@ -56,8 +56,6 @@ class SimRequest:
     computed_tokens: int = 0
     generated: int = 0
     private_blocks: int = 0
-    scheduled_blocks: int = 0
-    """Leading prompt blocks cached or scheduled for computation (then cached, as vLLM does)."""
     own_keys: list[int] = field(default_factory=list)
     first_token_s: float | None = None
     finished_s: float | None = None
@@ -161,25 +159,24 @@ class SimEngine:
         self.prefix_hits += hits * size
         request.cached_tokens = request.computed_tokens = hits * size
         request.own_keys = list(hit_keys)
-        request.scheduled_blocks = hits
         self.running.append(request)
         return request
 
     def _prefill_chunk(self, request: SimRequest, budget: int, events: list[KvEvent]) -> int:
         """Schedule up to ``budget`` of the request's uncached prompt tokens; returns how many."""
+        size = self.config.block_size
         chunk = min(budget, len(request.prompt) - request.computed_tokens)
+        before = request.computed_tokens // size
         request.computed_tokens += chunk
-        self._store_prompt_blocks(request, events)
+        self._store_prompt_blocks(request, request.keys[before : request.computed_tokens // size], events)
         return chunk
 
-    def _store_prompt_blocks(self, request: SimRequest, events: list[KvEvent]) -> None:
-        """The prompt blocks this step fills become shareable now, as vLLM caches a block when it schedules its
+    def _store_prompt_blocks(self, request: SimRequest, keys: list[int], events: list[KvEvent]) -> None:
+        """The prompt blocks ``keys`` this step fills become shareable now, as vLLM caches a block when it schedules its
         computation (``KVCacheManager.allocate_slots``): a request scheduled after this one, in this step or a
         later one, finds them cached. The engine says so at the step's end."""
-        size = self.config.block_size
-        upto = min(request.computed_tokens, len(request.prompt)) // size
         stored = []
-        for key in request.keys[request.scheduled_blocks : upto]:
+        for key in keys:
             if key in self.pinned or key in self.cached:
                 continue  # computed twice concurrently: the duplicate stays private
             self.pinned[key] = 1
@@ -187,7 +184,6 @@ class SimEngine:
             request.private_blocks -= 1
             self.private_blocks -= 1
             stored.append(key)
-        request.scheduled_blocks = max(request.scheduled_blocks, upto)
         if stored:
             events.append(KvEvent("stored", tuple(stored)))
 
