@@ -240,7 +240,10 @@ def in_flight(port: int) -> float:
 def alive_actors() -> list:
     from ray.util.state import list_actors
 
-    return list(list_actors(filters=[("state", "=", "ALIVE")], limit=10_000, detail=True))
+    # The driver's own cluster: with no address the state API takes the machine's latest one ("auto"),
+    # which on CI was another test's, gone, and timed out waiting for its GCS.
+    address = ray.get_runtime_context().gcs_address
+    return list(list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=10_000, detail=True))
 
 
 def test_the_requests_of_a_dead_ingress_replica_are_aborted_in_the_engine(

@@ -169,7 +169,8 @@ def test_the_leaders_and_ingress_replicas_froze_their_start_up_heap(server: Serv
     from ray.util.state import list_actors
 
     leaders = [ray.get_actor(leader_actor_name(g), namespace=DEFAULT_NAMESPACE) for g in GROUPS]
-    names = [a.name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)]
+    alive = list_actors(address=ray.get_runtime_context().gcs_address, filters=[("state", "=", "ALIVE")], limit=10_000)
+    names = [a.name for a in alive]
     replicas = [ray.get_actor(n, namespace="serve") for n in names if n.startswith("SERVE_REPLICA::flotilla")]
     assert replicas, names
     frozen = ray.get([actor.__ray_call__.remote(lambda _: gc.get_freeze_count()) for actor in leaders + replicas])
