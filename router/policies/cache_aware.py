@@ -11,14 +11,22 @@ Per request, in five steps:
    again and evict another there, whose requests then miss in turn; owners keep the offline oracle's
    placement instead. A hot prefix (more requests in flight than ``hot_share`` × a group's fair share
    per owner) is not restricted and spreads. (Measured on the simulated grid, 8 seeds, 288 cells:
-   239 cells at ≥ 0.97× the best of ``prefix_only`` and the oracle against 135 without, TTFT p50
-   0.695× ``prefix_only``'s against 0.794×, p99 0.775× against 0.831×.)
+   265 cells at ≥ 0.97× the best of ``prefix_only`` and the oracle against 135 without, TTFT p50
+   0.674× ``prefix_only``'s against 0.794×, p99 0.776× against 0.831×.)
 2. **Filter saturated groups.** A group is saturated when it carries more than ``balance_abs`` +
    ``balance_rel`` × the least loaded group's outstanding requests (or, if enabled, its KV cache
    is nearly full: ``kv_saturation``). Saturated groups get no traffic while another allowed group is
    not saturated, so affinity never piles onto a busy group — and a hot prefix, once its holder is
    saturated, spreads to the next group, which then holds it too. (An owner that is saturated keeps
    its prefix when no other group has room for it: a short wait beats evicting another prefix.)
+   A request kept on its prefix's owners is guarded at ``balance_abs_owned`` instead: sending it
+   elsewhere computes its prefix again and copies it, and the requests queued behind that prefill
+   wait for it. At ``balance_abs`` the guard fired on the grid's concurrency-16 cells whenever one
+   group carried 9 of 16 requests of popular prefixes (3 groups × 48 blocks, seed 3: TTFT p50 549 ms
+   against `prefix_only`'s 155). At 16, on 8 seeds: 265 of 288 cells at ≥ 0.97× the best hit rate
+   against 239, TTFT p50 0.674× ``prefix_only``'s against 0.696×, worst cell's p50 1.96× against
+   3.55×. (16 for every request too gave 267, but a hot prefix with 16 requests in flight then stayed
+   on the one group holding it: ``test_a_hot_prefix_spreads_beyond_its_first_holder``.)
 3. **Score** every remaining group by the work ahead of this request's first token, and the cache
    it would cost, in prompt-token units::
 
@@ -90,6 +98,14 @@ class CacheAwareParams(PolicyParams):
             "gets no affinity traffic: the hot-spot guard. Sized for CPU groups of a few concurrent requests."
         ),
     )
+    balance_abs_owned: int = Field(
+        16,
+        ge=0,
+        description=(
+            "balance_abs for a request kept on its prefix's owners (keep_prefix_owners): sending it elsewhere "
+            "computes and copies its prefix, so it takes a larger imbalance."
+        ),
+    )
     balance_rel: float = Field(1.5, ge=1.0, description="See balance_abs.")
     eviction_weight: float = Field(
         1.0,
@@ -150,8 +166,9 @@ class CacheAwarePolicy(RoutingPolicy):
         """The cheapest allowed group; the choice is recorded as routed (the router sends every chosen request)."""
         outstanding = groups.outstanding
         allowed = self.owners.allowed(request, groups, outstanding) if self.owners else None
-        cost = self.costs(request, groups, outstanding, spreads=allowed is None or allowed.hot)
-        saturated = self.saturated(groups, outstanding)
+        spreads = allowed is None or allowed.hot
+        cost = self.costs(request, groups, outstanding, spreads=spreads)
+        saturated = self.saturated(groups, outstanding, self.p.balance_abs if spreads else self.p.balance_abs_owned)
         if allowed is not None and allowed.groups is not None:  # the prefix's owners and groups with room for a copy
             cost[~allowed.groups] = np.inf
         if (np.isfinite(cost) & ~saturated).any():
@@ -165,8 +182,8 @@ class CacheAwarePolicy(RoutingPolicy):
         if self.owners:
             self.owners.finished(request)
 
-    def saturated(self, groups: Candidates, outstanding: np.ndarray) -> np.ndarray:
-        limit = self.p.balance_abs + self.p.balance_rel * outstanding.min()
+    def saturated(self, groups: Candidates, outstanding: np.ndarray, balance_abs: int) -> np.ndarray:
+        limit = balance_abs + self.p.balance_rel * outstanding.min()
         return (groups.kv_usage >= self.p.kv_saturation) | (outstanding > limit)
 
     def costs(

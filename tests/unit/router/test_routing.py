@@ -74,6 +74,16 @@ def test_a_saturated_group_stops_receiving_affinity_traffic() -> None:
     assert serve(r, PROMPT, "busy") == other
 
 
+@pytest.mark.parametrize(("keep_owners", "goes_to_holder"), [(True, True), (False, False)])
+def test_a_request_kept_on_its_owners_takes_a_larger_imbalance(keep_owners: bool, goes_to_holder: bool) -> None:
+    """12 requests on the holder, none elsewhere: over balance_abs (8), under balance_abs_owned (16). Kept on its
+    owner, the request waits there rather than computing its prefix again on the other group."""
+    r = router(groups=("a", "b"), keep_prefix_owners=keep_owners)
+    holder = serve(r, PROMPT)
+    r.update_engine_load(holder, EngineLoad(running=12, waiting=0, kv_usage=0.3))
+    assert (serve(r, PROMPT, "busy") == holder) is goes_to_holder
+
+
 @pytest.mark.parametrize(("kv_saturation", "goes_to_holder"), [(1.0, True), (0.95, False)])
 def test_a_full_kv_cache_saturates_a_group_only_when_asked(kv_saturation: float, goes_to_holder: bool) -> None:
     """By default a nearly full cache of running requests' blocks is a short wait, not a reason to compute the
