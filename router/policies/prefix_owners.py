@@ -45,6 +45,8 @@ class _Prefix:
     """Group ids (:attr:`Candidates.group_ids`)."""
     in_flight: dict[int, int] = field(default_factory=dict)
     """Group id → its requests in flight there."""
+    requests: int = 0
+    """Requests this router sent for it so far; from the second on it is reused, and evicting it costs hits."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,7 @@ class PrefixOwners:
         self._prefixes: dict[int, _Prefix] = {}
         self._owned_blocks = np.zeros(16, dtype=np.int64)  # per group id: blocks of the prefixes it owns
         self._inflow = np.zeros(16, dtype=np.int64)  # per group id: blocks routed there to be filled, cumulative
+        self._once_blocks = np.zeros(16, dtype=np.int64)  # per group id: blocks of its prefixes requested once
         self._last_use: dict[int, OrderedDict[int, int]] = {}  # group id → head → its inflow at the last use, LRU
 
     def allowed(self, request: RoutingRequest, groups: Candidates, outstanding: np.ndarray) -> Allowed:
@@ -96,9 +99,14 @@ class PrefixOwners:
             prefix = self._prefixes[head] = _Prefix(blocks=max(1, prompt_blocks - 1))
         group = int(groups.group_ids[choice])
         self._fit(group)
+        prefix.requests += 1
+        if prefix.requests == 2:
+            self._once_blocks[prefix.owners] -= prefix.blocks
         if group not in prefix.owners:
             prefix.owners.append(group)
             self._owned_blocks[group] += prefix.blocks
+            if prefix.requests == 1:
+                self._once_blocks[group] += prefix.blocks
         prefix.in_flight[group] = prefix.in_flight.get(group, 0) + 1
         new_blocks = prompt_blocks - int(groups.matched_blocks[choice]) + self.private_blocks
         self._inflow[group] += int(new_blocks)
@@ -116,6 +124,13 @@ class PrefixOwners:
         if not prefix.in_flight[group]:
             del prefix.in_flight[group]
         self._forget_if_unused(head, prefix)
+
+    def once_blocks(self, groups: Candidates) -> np.ndarray:
+        """Per candidate: blocks of the prompts it owns that this router has seen requested only once; a
+        prefill computed there may evict them at no cost to a later request (that it knows of)."""
+        ids = groups.group_ids
+        self._fit(int(ids[-1]))
+        return self._once_blocks[ids]
 
     def owners(self, head: int) -> list[int]:
         prefix = self._prefixes.get(head)
@@ -155,6 +170,8 @@ class PrefixOwners:
     def _disown(self, head: int, prefix: _Prefix, group: int) -> None:
         prefix.owners.remove(group)
         self._owned_blocks[group] -= prefix.blocks
+        if prefix.requests == 1:
+            self._once_blocks[group] -= prefix.blocks
         last_use = self._last_use.get(group)
         if last_use is not None:
             last_use.pop(head, None)
@@ -167,7 +184,7 @@ class PrefixOwners:
     def _fit(self, group: int) -> None:
         if group >= len(self._owned_blocks):
             size = max(2 * len(self._owned_blocks), group + 1)
-            for attr in ("_owned_blocks", "_inflow"):
+            for attr in ("_owned_blocks", "_inflow", "_once_blocks"):
                 grown = np.zeros(size, dtype=np.int64)
                 column = getattr(self, attr)
                 grown[: len(column)] = column

@@ -102,3 +102,24 @@ def test_a_group_reporting_no_kv_blocks_does_not_stall_routing() -> None:
     r.route("first", PROMPT)  # stays in flight
     assert r.route("second", PROMPT).group == "a"
     assert owners_of(r, PROMPT) == ["a"]
+
+
+@pytest.mark.parametrize(("keep_owners", "expected"), [(True, "a"), (False, "b")])
+def test_a_miss_evicts_a_prompt_requested_once_rather_than_a_reused_prefix(keep_owners: bool, expected: str) -> None:
+    """Two 6-block caches, each holding 5 blocks: a a prompt requested once, b a prefix requested twice. A new
+    5-block prompt evicts 4 cached blocks wherever it goes; only on b do they cost later hits. a is a little
+    busier, so without owners (which count what was reused) b wins."""
+    r = Router(make_policy("cache_aware", {"keep_prefix_owners": keep_owners}), BLOCK)
+    r.add_group("a", 6)
+    r.add_group("b", 6)
+    r.index.record_stored("a", block_keys(OTHER, BLOCK))
+    r.index.record_stored("b", block_keys(PROMPT, BLOCK))
+    for request_id in ("once", "twice", "again"):
+        prompt = OTHER if request_id == "once" else PROMPT
+        decision = r.route(request_id, prompt)
+        assert decision.group == ("a" if prompt is OTHER else "b")
+        r.first_token(decision)
+        r.finished(decision, [])
+    r.update_engine_load("a", EngineLoad(running=1, waiting=0, kv_usage=0.9))
+    new = [(17 * i) % 900 + 103 for i in range(4 * BLOCK + 40)]
+    assert r.route("new", new).group == expected
