@@ -106,9 +106,9 @@ def test_a_group_reporting_no_kv_blocks_does_not_stall_routing() -> None:
 
 @pytest.mark.parametrize(("keep_owners", "expected"), [(True, "a"), (False, "b")])
 def test_a_miss_evicts_a_prompt_requested_once_rather_than_a_reused_prefix(keep_owners: bool, expected: str) -> None:
-    """Two 6-block caches, each holding 5 blocks: a a prompt requested once, b a prefix requested twice. A new
-    5-block prompt evicts 4 cached blocks wherever it goes; only on b do they cost later hits. a is a little
-    busier, so without owners (which count what was reused) b wins."""
+    """Two 6-block caches holding 5 blocks each: a holds a prompt requested once, b a prefix requested twice. A
+    new 5-block prompt evicts 4 cached blocks wherever it goes; only on b do they cost later hits. a is a little
+    busier, so without owners (which track what was requested once) b wins."""
     r = Router(make_policy("cache_aware", {"keep_prefix_owners": keep_owners}), BLOCK)
     r.add_group("a", 6)
     r.add_group("b", 6)
