@@ -226,6 +226,19 @@ def test_a_hot_prefix_spreads_beyond_its_first_holder(policy: str, spreads: bool
         assert busiest >= 0.9, load.requests_per_group
 
 
+def test_a_prefix_carrying_all_the_load_reaches_every_group() -> None:
+    """One prefix, 8 requests in flight on 4 groups: hot_share × owners × fair share (1.5 × 3 × 2) exceeds all 8 once
+    3 groups own it, so the dominance clause spreads it to the fourth; serving as round robin does, not below."""
+
+    def run(policy: str) -> SimResult:
+        cluster = SimCluster(Router(make_policy(policy), BLOCK), 4, SimEngineConfig(num_blocks=48), precise=True)
+        return cluster.run(hot_prefix(VOCAB, 64, 1024, 64, 16, seed=1), 8)
+
+    spread, dealt = run("cache_aware"), run("round_robin")
+    assert min(spread.requests_per_group.values()) >= 8, spread.requests_per_group
+    assert spread.throughput_tokens_s >= dealt.throughput_tokens_s
+
+
 def test_two_ingress_replicas_fed_the_same_events_agree() -> None:
     """Replica 1 routed the prefix; replica 2 never saw it but follows the same engine events."""
     first, second = router(), router()
