@@ -84,6 +84,22 @@ def test_a_request_kept_on_its_owners_takes_a_larger_imbalance(keep_owners: bool
     assert (serve(r, PROMPT, "busy") == holder) is goes_to_holder
 
 
+@pytest.mark.parametrize(("duplicate_weight", "goes_to_holder"), [(2.0, True), (1.0, False)])
+def test_a_prefix_is_copied_only_when_the_holders_queue_outweighs_twice_its_prefill(
+    duplicate_weight: float, goes_to_holder: bool
+) -> None:
+    """The holder has two 600-token prefills queued (1,272 prompt-token equivalents ahead of this request); a copy
+    computes the 552-token prompt, and its 512-token prefix is charged once more per unit of duplicate_weight: 1,064
+    at 1, 1,576 at 2 (the default), where the copy's prefill and the prefix it later evicts both count."""
+    r = router(groups=("a", "b"), duplicate_weight=duplicate_weight)
+    holder = serve(r, PROMPT)
+    other_head = [(13 * i) % 900 + 101 for i in range(4 * BLOCK)]
+    r.index.record_stored(holder, block_keys(other_head, BLOCK))
+    for n in range(2):
+        assert r.route(f"queued-{n}", other_head + [n + 1] * 600).group == holder  # no first token yet
+    assert (r.route("x", PROMPT).group == holder) is goes_to_holder
+
+
 @pytest.mark.parametrize(("kv_saturation", "goes_to_holder"), [(1.0, True), (0.95, False)])
 def test_a_full_kv_cache_saturates_a_group_only_when_asked(kv_saturation: float, goes_to_holder: bool) -> None:
     """By default a nearly full cache of running requests' blocks is a short wait, not a reason to compute the
