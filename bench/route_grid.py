@@ -167,13 +167,12 @@ def render(cells: list[Cell], results: dict[str, list[Outcome]], command: str) -
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = results[BASELINE]
-    best = [max(b.hit_rate, o.hit_rate) for b, o in zip(base, results[ORACLE], strict=True)]
     for name, outcomes in results.items():
         hit = [o.hit_rate / b.hit_rate if b.hit_rate else 1.0 for o, b in zip(outcomes, base, strict=True)]
         p50 = [o.ttft_p50_ms / b.ttft_p50_ms for o, b in zip(outcomes, base, strict=True)]
         p99 = [o.ttft_p99_ms / b.ttft_p99_ms for o, b in zip(outcomes, base, strict=True)]
         tput = [o.tokens_per_s / b.tokens_per_s for o, b in zip(outcomes, base, strict=True)]
-        to_best = [o.hit_rate / top if top else 1.0 for o, top in zip(outcomes, best, strict=True)]
+        to_best = hit_to_best(outcomes, results)
         lines.append(
             f"| {name} | {geomean(hit):.3f}× | {geomean(p50):.3f}× | {geomean(p99):.3f}× | {geomean(tput):.3f}× | "
             f"{sum(h >= TARGET_HIT_RATIO for h in hit)}/{len(hit)} | {min(hit):.3f}× | {max(p50):.2f}× | "
@@ -204,6 +203,12 @@ def render(cells: list[Cell], results: dict[str, list[Outcome]], command: str) -
     return "\n".join(lines)
 
 
+def hit_to_best(outcomes: list[Outcome], results: dict[str, list[Outcome]]) -> list[float]:
+    """Per cell: the hit rate against the better of ``prefix_only``'s and the oracle's (1 where both are 0)."""
+    best = [max(b.hit_rate, o.hit_rate) for b, o in zip(results[BASELINE], results[ORACLE], strict=True)]
+    return [o.hit_rate / top if top else 1.0 for o, top in zip(outcomes, best, strict=True)]
+
+
 def meets(hit_to_best: float, p50: float, p99: float, p50_to_round_robin: float) -> tuple[bool, bool, bool, bool]:
     """Issue 15's targets, from a policy's ratios: hit rate to the best, TTFT p50 and p99 to ``prefix_only``'s,
     TTFT p50 to round robin's."""
@@ -213,7 +218,7 @@ def meets(hit_to_best: float, p50: float, p99: float, p50_to_round_robin: float)
 def targets(cells: list[Cell], results: dict[str, list[Outcome]]) -> list[str]:
     """Issue 15's targets met per policy, cell by cell and per workload (each ratio's geometric mean over the
     workload's seeds: one seed's TTFT median moves with which prefixes the first burst happens to put together)."""
-    base, oracle, spread = results[BASELINE], results[ORACLE], results["round_robin"]
+    base, spread = results[BASELINE], results["round_robin"]
     workloads = list(dict.fromkeys(cell.workload for cell in cells))
     lines = [
         "Issue 15's targets met, cell by cell and per workload (the geometric mean of each ratio over the "
@@ -227,13 +232,8 @@ def targets(cells: list[Cell], results: dict[str, list[Outcome]]) -> list[str]:
         if name in (BASELINE, "round_robin"):
             continue
         ratios = [
-            (
-                o.hit_rate / max(b.hit_rate, r.hit_rate) if max(b.hit_rate, r.hit_rate) else 1.0,
-                o.ttft_p50_ms / b.ttft_p50_ms,
-                o.ttft_p99_ms / b.ttft_p99_ms,
-                o.ttft_p50_ms / rr.ttft_p50_ms,
-            )
-            for o, b, r, rr in zip(outcomes, base, oracle, spread, strict=True)
+            (hit, o.ttft_p50_ms / b.ttft_p50_ms, o.ttft_p99_ms / b.ttft_p99_ms, o.ttft_p50_ms / rr.ttft_p50_ms)
+            for hit, o, b, rr in zip(hit_to_best(outcomes, results), outcomes, base, spread, strict=True)
         ]
         met = [meets(*r) for r in ratios]
         per_workload = []
