@@ -145,9 +145,20 @@ class PrefixOwners:
         self._fit(int(ids[-1]))
         return self._once_blocks[ids]
 
+    def reused_blocks(self, groups: Candidates) -> np.ndarray:
+        """Per candidate: blocks of the prefixes it owns that were requested more than once, whose next requests
+        will go there too."""
+        ids = groups.group_ids
+        self._fit(int(ids[-1]))
+        return self._owned_blocks[ids] - self._once_blocks[ids]
+
     def owners(self, head: int) -> list[int]:
         prefix = self._prefixes.get(head)
         return list(prefix.owners) if prefix else []
+
+    def is_new(self, head: int | None) -> bool:
+        """A prompt with a first block that no group owns: where it goes, its prefix's later requests follow."""
+        return head is not None and not self.owners(head)
 
     def _live_owner_positions(self, head: int, prefix: _Prefix, groups: Candidates) -> list[int]:
         """Rows of the owners that still hold, prefill or run the prefix; owners that do none of it are dropped

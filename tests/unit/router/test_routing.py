@@ -100,6 +100,19 @@ def test_a_prefix_is_copied_only_when_the_holders_queue_outweighs_twice_its_pref
     assert (r.route("x", PROMPT).group == holder) is goes_to_holder
 
 
+@pytest.mark.parametrize(("new_prefix_weight", "expected"), [(0.25, "b"), (0.0, "a")])
+def test_a_new_prefix_goes_to_the_group_owning_fewer_reused_prefixes(new_prefix_weight: float, expected: str) -> None:
+    """a owns a prefix requested twice (4 blocks), b owns none but runs one request more (decode_weight 16). A new
+    prefix costs the same prefill on both; a's reused prefix adds 0.25 × 512 = 128 there, more than b's 16."""
+    r = router(groups=("a", "b"), new_prefix_weight=new_prefix_weight)
+    for request_id in ("first", "again"):
+        assert serve(r, PROMPT, request_id) == "a"
+        r.index.record_stored("a", block_keys(PROMPT, BLOCK))
+    r.update_engine_load("b", EngineLoad(running=1, waiting=0, kv_usage=0.1))
+    new_prefix = [(13 * i) % 900 + 101 for i in range(4 * BLOCK + 40)]
+    assert r.route("new", new_prefix).group == expected
+
+
 @pytest.mark.parametrize(("kv_saturation", "goes_to_holder"), [(1.0, True), (0.95, False)])
 def test_a_full_kv_cache_saturates_a_group_only_when_asked(kv_saturation: float, goes_to_holder: bool) -> None:
     """By default a nearly full cache of running requests' blocks is a short wait, not a reason to compute the
