@@ -57,16 +57,20 @@ Per request, in five steps:
    hit rate against 279, and on 8 other seeds (9–16) 271 against 279; TTFT p50 0.677× and 0.671×
    ``prefix_only``'s against 0.679× and 0.682×
    (``test_a_prefix_is_copied_only_when_the_holders_queue_outweighs_twice_its_prefill``).
-   ``new_prefix_weight`` (0.25, with ``keep_prefix_owners``) places a prefix no group owns away from the
-   groups owning more reused prefixes (requested twice or more; step 1 tracks them): their requests will
-   keep coming there. By the other costs alone a new prefix went wherever the load was lowest at that
-   moment, and the first requests could leave one group owning most of the prefixes. On the grid's seed
-   19, 2 groups × 48 blocks at 10 req/s, that was 4 of 6: it then carried 17 requests against none, and
-   the balance guard sent its prefixes' requests to be computed again on the other group. On 3 sets of 8
-   seeds (1–8, 9–16, 17–24; 368 cells each, closed and open loop), cells at ≥ 0.97× the best hit rate
-   went from 348, 346 and 335 to 352, 347 and 351. Workloads meeting the hit-rate target went from 45, 45
-   and 43 to 46, 45 and 45 (of 46). TTFT p50 and p99 moved by a few cells either way (0.1 and 0.5 did
-   about as well; ``test_a_new_prefix_goes_to_the_group_owning_fewer_reused_prefixes``).
+   ``new_prefix_weight`` (0.25, with ``keep_prefix_owners``) charges a prompt that no group owns (a new
+   prefix, or a prompt never asked again) for the reused prefixes (requested twice or more; step 1 tracks
+   them) each group owns. Under KV pressure its blocks evict theirs, and if it is a prefix, its later
+   requests add to theirs. By the other costs alone such prompts went wherever the load was lowest at
+   that moment. In the grid's ``mixed`` cells (shared prefixes among as many unique prompts) that was
+   often a group holding popular prefixes, which the unique prompts then evicted.
+   Measured on 3 sets of 8 seeds (1–8, 9–16, 17–24; 368 cells each, closed and open loop):
+   - cells at ≥ 0.97× the best hit rate: 348, 346 and 335 → 352, 347 and 351;
+   - workloads meeting the hit-rate target: 45, 45 and 43 → 46, 45 and 45 (of 46);
+   - TTFT p50 and p99 moved by a few cells either way; 0.1 and 0.5 did about as well.
+   The gains are in ``mixed`` cells (12 prefixes, 4 groups, 7 req/s, seed 20: hit rate 0.458 against
+   0.418; the oracle's 0.451). It does not help where the first requests place the prefixes unevenly
+   before any is asked twice: seed 19's 2-group cells at 10 req/s are unchanged
+   (``test_a_new_prefix_goes_to_the_group_owning_fewer_reused_prefixes``).
 4. **A prefix being computed counts as held.** ``held_blocks`` is the larger of what a group's index
    holds and what a request it is prefilling shares with this prompt: vLLM caches a block as soon
    as it schedules its computation (``KVCacheManager.allocate_slots``), so a request sent there now
@@ -147,8 +151,8 @@ class CacheAwareParams(PolicyParams):
         ge=0,
         description=(
             "Prompt-token equivalents per token of the reused prefixes a group owns, charged when a request begins "
-            "with a prefix no group owns: their requests will keep coming there, so new prefixes spread over the "
-            "groups owning fewer. 0 places new prefixes by the instantaneous costs alone."
+            "with a prefix no group owns (a new prefix or a one-off prompt): its blocks would evict theirs, and its "
+            "later requests add to theirs. 0 places such prompts by the instantaneous costs alone."
         ),
     )
     kv_saturation: float = Field(
