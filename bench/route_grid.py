@@ -253,13 +253,8 @@ def targets(cells: list[Cell], results: dict[str, list[Outcome]]) -> list[str]:
             cell_counts = [sum(m[k] for m in met) for k in range(4)]
             all_three = sum(m[0] and m[1] and m[2] for m in met)
             workload_counts = [sum(m[k] for m in per_workload) for k in range(4)]
-            lines.append(
-                f"| {name}, {loop} | {len(rows)} | "
-                + " | ".join(str(count) for count in cell_counts[:3])
-                + f" | {all_three} | {cell_counts[3]} | {len(means)} | "
-                + " | ".join(str(count) for count in workload_counts)
-                + " |"
-            )
+            row = [len(rows), *cell_counts[:3], all_three, cell_counts[3], len(means), *workload_counts]
+            lines.append(f"| {name}, {loop} | " + " | ".join(str(count) for count in row) + " |")
             if name == "cache_aware":
                 notes += _cache_aware_notes(open_loop, means, of_workload, throughput)
     return lines + notes
