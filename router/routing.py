@@ -20,6 +20,8 @@ from flotilla.router.policies import Candidates, GroupView, RoutingPolicy, Routi
 from flotilla.router.prefix_index import PrefixIndex
 
 INITIAL_ROWS = 16
+PREFILL_PACE_DECAY = 0.9
+"""Weight of a group's earlier prefill-pace samples against its newest (about the last ten count)."""
 
 
 @dataclass(slots=True)
@@ -44,6 +46,11 @@ class Decision:
     row: int
     head: int | None = None
     """The prompt's first block (hashed), while its prefill is counted in ``Router._prefilling``."""
+    sent_s: float = 0.0
+    """When it was routed, by the router's clock."""
+    first_in_line: bool = False
+    """No prefill of this router's was pending on the group when it was sent: its time to a first token is the
+    group's pace of prefill (:meth:`Router.first_token` learns it)."""
     first_token_seen: bool = False
     tokens: np.ndarray | None = field(default=None, repr=False, compare=False)
     """The prompt as an array, once another request compared itself with it (:meth:`Router._shared_in_prefill`)."""
@@ -76,6 +83,9 @@ class Router:
         self._kv_usage = np.zeros(INITIAL_ROWS, dtype=np.float64)
         self._capacity = np.zeros(INITIAL_ROWS, dtype=np.int64)
         self._slot = np.zeros(INITIAL_ROWS, dtype=np.int64)  # the group's column in index.held
+        self._prefill_since = np.zeros(INITIAL_ROWS, dtype=np.float64)  # when the group began its pending prefill
+        self._paced_tokens = np.zeros(INITIAL_ROWS, dtype=np.float64)  # decayed sums of first-in-line prefills:
+        self._paced_s = np.zeros(INITIAL_ROWS, dtype=np.float64)  # their uncached tokens and times to first token
         self._live_rows = np.zeros(0, dtype=np.int64)
         self._prefilling: dict[int, dict[int, list[Decision]]] = {}  # first block → row → requests not yet prefilled
 
@@ -99,6 +109,7 @@ class Router:
             self._rows[name] = row
             self._names.append(name)
             self._in_flight[row] = self._pending[row] = 0
+            self._paced_tokens[row] = self._paced_s[row] = 0.0
         for column in (self._running, self._waiting, self._kv_usage):
             column[row] = 0
         self._capacity[row], self._slot[row] = capacity_blocks, self.index.slot(name)
@@ -128,6 +139,10 @@ class Router:
             float(self._kv_usage[row]),
         )
 
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Read time from ``clock`` from now on (the simulator's virtual time)."""
+        self._clock = clock
+
     # --- requests ----------------------------------------------------------------------------
     def route(self, request_id: str, prompt_token_ids: list[int], exclude: frozenset[str] = frozenset()) -> Decision:
         """Pick a group for the request; ``exclude`` names groups that already failed it."""
@@ -151,6 +166,7 @@ class Router:
         candidates = Candidates(
             in_flight=self._in_flight[pick],
             pending_prefill_tokens=self._pending[pick],
+            prefill_done_tokens=self._prefill_done(pick, started),
             engine_running=self._running[pick],
             engine_waiting=self._waiting[pick],
             kv_usage=self._kv_usage[pick],
@@ -168,9 +184,14 @@ class Router:
         chosen_matched = int(matched[choice])
         expected_hits = max(chosen_matched, int(computing[choice]))  # what vLLM will find cached when it schedules it
         uncached = max(0, request.prompt_tokens - expected_hits * self.block_size)
+        first_in_line = bool(self._pending[row] == 0)
+        if first_in_line:
+            self._prefill_since[row] = started
         self._in_flight[row] += 1
         self._pending[row] += uncached
-        decision = Decision(request, name, chosen_matched, best, uncached, self._clock() - started, row, head)
+        decision = Decision(
+            request, name, chosen_matched, best, uncached, self._clock() - started, row, head, started, first_in_line
+        )
         if head is not None:
             self._prefilling.setdefault(head, {}).setdefault(row, []).append(decision)
         self.policy.on_routed(request, name)
@@ -198,6 +219,10 @@ class Router:
         """The prompt is prefilled: the group now caches its full blocks (which also renews them in its LRU)."""
         if decision.first_token_seen:
             return
+        if decision.first_in_line and decision.uncached_tokens:
+            row = decision.row
+            self._paced_tokens[row] = PREFILL_PACE_DECAY * self._paced_tokens[row] + decision.uncached_tokens
+            self._paced_s[row] = PREFILL_PACE_DECAY * self._paced_s[row] + self._clock() - decision.sent_s
         self._prefilled(decision)
         request = decision.request
         request.block_keys = self._keyer.keys(request.prompt_token_ids)
@@ -219,6 +244,7 @@ class Router:
     def _prefilled(self, decision: Decision) -> None:
         decision.first_token_seen = True
         self._pending[decision.row] -= decision.uncached_tokens
+        self._prefill_since[decision.row] = self._clock()  # the next prefill in line, if any, goes on from now
         if decision.head is not None:
             heads = self._prefilling[decision.head]
             heads[decision.row].remove(decision)
@@ -226,6 +252,16 @@ class Router:
                 del heads[decision.row]
                 if not heads:
                     del self._prefilling[decision.head]
+
+    def _prefill_done(self, rows: slice | np.ndarray, now: float) -> np.ndarray:
+        """Per candidate: how much of its pending prefill the group has likely done, in tokens: the time since it
+        began at the pace its first-in-line prefills kept, or, until one was timed there, the pace of every group's
+        together (none until the router timed one)."""
+        seconds = self._paced_s[rows]
+        timed = self._paced_s[self._live_rows].sum()
+        pooled = self._paced_tokens[self._live_rows].sum() / timed if timed > 0 else 0.0
+        pace = np.divide(self._paced_tokens[rows], seconds, out=np.full(len(seconds), pooled), where=seconds > 0)
+        return np.minimum(self._pending[rows], (now - self._prefill_since[rows]) * pace)
 
     def _head(self, prompt_token_ids: list[int]) -> int | None:
         """The first full block of the prompt, hashed (None for a prompt shorter than a block)."""
@@ -235,7 +271,10 @@ class Router:
 
     def _grow(self) -> None:
         size = 2 * len(self._live)
-        for attr in ("_live", "_in_flight", "_pending", "_running", "_waiting", "_kv_usage", "_capacity", "_slot"):
+        for attr in (
+            *("_live", "_in_flight", "_pending", "_running", "_waiting", "_kv_usage", "_capacity", "_slot"),
+            *("_prefill_since", "_paced_tokens", "_paced_s"),
+        ):
             column = getattr(self, attr)
             grown = np.zeros(size, dtype=column.dtype)
             grown[: len(column)] = column

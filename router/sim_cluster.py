@@ -88,6 +88,8 @@ class SimCluster:
         self._busy: set[str] = set()
         self._changed: set[str] = set(self.engines)  # engines whose load the router has not seen yet
         self._kv_events: list[tuple[str, tuple[int, ...]]] = []  # the running step's, delivered at its end
+        self.now_s = 0.0
+        router.use_clock(lambda: self.now_s)  # virtual time: what the router times (prefill pace) is simulated
 
     def run(
         self, sessions: list[Session], concurrency: int, request_rate: float | None = None, seed: int = 0
@@ -103,7 +105,7 @@ class SimCluster:
         decisions: dict[str, Decision] = {}
         result = SimResult(0, 0, 0, [], 0.0, 0, [], {name: 0 for name in self.engines})
         ids = itertools.count()
-        now = 0.0
+        now = self.now_s = 0.0
 
         def submit(session: Session, turn_index: int, at_s: float) -> None:
             request_id = f"r{next(ids)}"
@@ -134,7 +136,7 @@ class SimCluster:
                 at_s += gaps.expovariate(request_rate)
         while self._queue:
             event = heapq.heappop(self._queue)
-            now = event.time_s
+            now = self.now_s = event.time_s
             if event.kind == "step":
                 self._step(self.engines[str(event.payload)], now)
                 continue

@@ -48,6 +48,10 @@ class Candidates:
     """Requests this ingress has in flight on the group."""
     pending_prefill_tokens: np.ndarray
     """Uncached prompt tokens of this ingress's requests there that have no first token yet."""
+    prefill_done_tokens: np.ndarray
+    """How many of ``pending_prefill_tokens`` the group has likely computed already: the time since its prefill
+    began, at the pace it prefilled before (0 until the router has timed one). A group's step runs to its end,
+    so a request sent to a group midway through a long prefill waits only for the rest of it."""
     engine_running: np.ndarray
     engine_waiting: np.ndarray
     kv_usage: np.ndarray

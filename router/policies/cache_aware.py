@@ -31,13 +31,15 @@ Per request, in five steps:
 3. **Score** every remaining group by the work ahead of this request's first token, and the cache
    it would cost, in prompt-token units::
 
-       cost = pending_prefill_tokens + (prompt_tokens − held_blocks × block_size)
+       cost = pending_prefill_tokens − prefill_done_tokens + (prompt_tokens − held_blocks × block_size)
               + decode_weight × outstanding
               + duplicate_weight × (most_held_blocks − held_blocks) × block_size
               + eviction_weight × max(0, prompt_blocks − held_blocks − room_blocks) × block_size
               + new_prefix_weight × reused_owned_blocks × block_size      (a prefix no group owns)
 
-   i.e. the prefill already queued there, this request's uncached prefill, the decode steps it
+   i.e. the prefill already queued there, less what the group has likely done of it (``prefill_progress``:
+   the time since it began, at the pace the router timed that group's prefills, or all groups' until it
+   timed one there), this request's uncached prefill, the decode steps it
    shares with the group's running requests, the prefix a second copy would compute again when
    another group already holds it, and the cached blocks computing it there would evict: under KV
    pressure each of those is another prefix some later request misses. Misses therefore go to the
@@ -57,6 +59,20 @@ Per request, in five steps:
    hit rate against 279, and on 8 other seeds (9–16) 271 against 279; TTFT p50 0.677× and 0.671×
    ``prefix_only``'s against 0.679× and 0.682×
    (``test_a_prefix_is_copied_only_when_the_holders_queue_outweighs_twice_its_prefill``).
+   ``prefill_progress``: an engine's step runs to its end, so a request sent to a group midway through a
+   long prefill waits for the rest of it, one sent to a group that just began waits for all of it. Counted
+   in full, equal queues tied wherever every group was prefilling one prompt, and ties went by turns, often
+   to the group that began last (open loop, unrelated prompts: TTFT p99 1.08–1.13× ``prefix_only``'s,
+   which is round robin there and sends to the group it sent to longest ago). Not where the group is
+   computing this prompt's prefix: that made a group midway through a prefix's first prefill cheaper than
+   an idle one, and the requests of a hot prefix queued behind it instead of spreading (``hot`` 2,048
+   tokens, 25 req/s, in a prototype: TTFT p50 1.24× ``prefix_only``'s against 0.95×). Measured on 3 sets of 8 seeds
+   against ``prefill_progress`` off: cells meeting all three targets open loop 79, 85 and 92 against 76, 77
+   and 83; open-loop workloads at the hit-rate target 15 of 15 on each set (against 15, 14, 14) and at the
+   p99 target 13 (against 12); the worst cell against the best hit rate 0.924, 0.917 and 0.898 against
+   0.887, 0.880 and 0.848. Closed loop moved a few cells either way (all three targets: 155, 142, 145
+   against 152, 147, 143), and one ``mixed`` workload per set on 9–16 and 17–24 fell just under the
+   hit-rate target (0.9697 and 0.968 against 0.980 and 0.982; their seeds moved up to ±0.09 either way).
    ``new_prefix_weight`` (0.25, with ``keep_prefix_owners``) charges a prompt that no group owns (a new
    prefix, or a prompt never asked again) for the reused prefixes (requested twice or more; step 1 tracks
    them) each group owns. Under KV pressure its blocks evict theirs, and if it is a prefix, its later
@@ -155,6 +171,14 @@ class CacheAwareParams(PolicyParams):
             "later requests add to theirs. 0 places such prompts by the instantaneous costs alone."
         ),
     )
+    prefill_progress: bool = Field(
+        True,
+        description=(
+            "Count the prefill a group has likely done since it began (at the pace the router timed there) off its "
+            "queued prefill, unless it is computing this prompt's prefix: a group midway through a long prefill is "
+            "nearer its next step than one that just began. Off: queued prefill counts in full until the first token."
+        ),
+    )
     kv_saturation: float = Field(
         1.0,
         gt=0,
@@ -236,6 +260,8 @@ class CacheAwarePolicy(RoutingPolicy):
         of what is still being prefilled costs only its own prefill."""
         held = np.maximum(groups.matched_blocks, groups.prefilling_blocks)
         cost = groups.pending_prefill_tokens + self.p.decode_weight * outstanding
+        if self.p.prefill_progress:  # not where this prompt's prefix is being computed (see the docstring's step 3)
+            cost -= np.where(groups.prefilling_blocks > 0, 0, groups.prefill_done_tokens)
         cost += np.maximum(0, request.prompt_tokens - held * request.block_size)
         if self.p.duplicate_weight:
             copied = groups.matched_blocks if spreads else held

@@ -21,7 +21,8 @@ PROMPT = [(11 * i) % 900 + 100 for i in range(4 * BLOCK + 40)]
 
 
 def router(policy: str = "cache_aware", groups: tuple[str, ...] = ("a", "b", "c", "d"), **params: Any) -> Router:
-    r = Router(make_policy(policy, params), BLOCK)
+    """Its clock stands still: no prefill makes progress it could count (a test moving time builds its own)."""
+    r = Router(make_policy(policy, params), BLOCK, clock=lambda: 0.0)
     for name in groups:
         r.add_group(name, 1000)
     return r
@@ -198,6 +199,34 @@ def test_misses_go_to_the_least_loaded_group_not_the_emptiest_cache() -> None:
     r.update_engine_load("b", EngineLoad(running=3, waiting=0, kv_usage=0.2))
     fresh = [p + 1 for p in PROMPT]
     assert serve(r, fresh) == "a"
+
+
+@pytest.mark.parametrize(("prefill_progress", "expected"), [(True, "b"), (False, "a")])
+def test_a_group_midway_through_a_long_prefill_is_costed_for_the_rest(prefill_progress: bool, expected: str) -> None:
+    """The router times a's first prefill (552 tokens in 0.5 s: 1,104 tokens/s) and applies that pace to b too,
+    which has timed none. At 1.85 s b is 0.85 s into a 1,000-token prefill (938 tokens likely done), a 0.05 s into
+    a 552-token one (55 done): a new prompt goes to b, which reaches it first; counted in full, a's queue is less."""
+    now = [0.0]
+    r = Router(make_policy("cache_aware", {"prefill_progress": prefill_progress}), BLOCK, clock=lambda: now[0])
+    for name in ("a", "b"):
+        r.add_group(name, 1000)
+
+    def unique(first_token: int, tokens: int) -> list[int]:
+        return [first_token] + [(7 * i) % 900 + 100 for i in range(tokens - 1)]
+
+    warm_up = r.route("warm-up", unique(1, 552))
+    assert warm_up.group == "a"
+    now[0] = 0.5
+    r.first_token(warm_up)
+    r.finished(warm_up, [])
+    now[0] = 1.0
+    assert r.route("long", unique(2, 1000)).group == "b"  # equal costs take turns
+    now[0] = 1.8
+    assert r.route("short", unique(3, 552)).group == "a"
+    seen = record_candidates(r, "prefill_done_tokens")
+    now[0] = 1.85
+    assert r.route("new", unique(4, 552)).group == expected
+    assert seen[0] == pytest.approx([0.05 * 1104, 0.85 * 1104])
 
 
 def warm_then_hot(prompts: int) -> list[Session]:
