@@ -347,15 +347,22 @@ class VllmServers:
             process.stop()
 
 
+def sglang_router_python() -> Path:
+    """The Python of the venv holding SGLang's gateway; an error naming how to make it where there is none (a
+    benchmark checks before its first arm, not after the ones before it have run)."""
+    binary = REPO / ".bench-venvs" / "sglang" / "bin" / "python"
+    if not binary.exists():
+        raise RuntimeError(
+            "sglang-router is not installed: python3 -m venv .bench-venvs/sglang && "
+            ".bench-venvs/sglang/bin/pip install sglang-router==0.3.2"
+        )
+    return binary
+
+
 class SglangRouter:
     def __init__(self, servers: VllmServers, port: int) -> None:
         self.url = f"http://127.0.0.1:{port}"
-        binary = REPO / ".bench-venvs" / "sglang" / "bin" / "python"
-        if not binary.exists():
-            raise RuntimeError(
-                "sglang-router is not installed: python3 -m venv .bench-venvs/sglang && "
-                ".bench-venvs/sglang/bin/pip install sglang-router==0.3.2"
-            )
+        binary = sglang_router_python()
         command = [
             str(binary),
             "-m",
@@ -476,11 +483,13 @@ def main() -> None:
         "--resume", action="store_true", help="keep the arms already in bench/results/route_bench.json, run the rest"
     )
     args = parser.parse_args()
+    arms = args.arms.split(",")
+    if "sglang" in arms:
+        sglang_router_python()
     subprocess.run([sys.executable, "-m", "flotilla.cli", "make-model", "bench-llama"], cwd=REPO, check=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     vocab, text = word_vocab()
     loads = workloads(args.workloads.split(","), vocab, args.seed)
-    arms = args.arms.split(",")
     saved = RESULTS / f"{SECTION}.json"
     results: list[RunResult] = (
         [RunResult(**r) for r in json.loads(saved.read_text())] if args.resume and saved.exists() else []

@@ -37,7 +37,15 @@ from statistics import median
 from typing import Any, Protocol
 
 from bench.common import RESULTS, publish
-from bench.route_bench import MODEL, MODEL_NAME, FlotillaStack, RayServeLlm, SglangRouter, VllmServers
+from bench.route_bench import (
+    MODEL,
+    MODEL_NAME,
+    FlotillaStack,
+    RayServeLlm,
+    SglangRouter,
+    VllmServers,
+    sglang_router_python,
+)
 from devtools import REPO
 
 SECTION = "route_live"
@@ -188,13 +196,15 @@ def main() -> None:
     labels, chosen = [label for label, _, _ in POLICIES], args.policies.split(",")
     if unknown := sorted(set(chosen) - set(labels)):
         parser.error(f"unknown policies {unknown}: of {labels}")
+    arms = args.arms.split(",")
+    if "sglang" in arms:
+        sglang_router_python()
     subprocess.run([sys.executable, "-m", "flotilla.cli", "make-model", "bench-llama"], cwd=REPO, check=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     workloads = [WORKLOADS[key] for key in args.workloads.split(",")]
     if args.prompts:
         workloads = [replace(w, name=f"{w.name}, {args.prompts} prompts", prompts=args.prompts) for w in workloads]
     policies = [arm for arm in POLICIES if arm[0] in chosen]
-    arms = args.arms.split(",")
     runs = []
     if "flotilla" in arms:
         flotilla = FlotillaStack(args.blocks, 1, PORT, groups=2, max_model_len=MAX_MODEL_LEN)
