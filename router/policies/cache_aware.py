@@ -10,8 +10,8 @@ Per request, in five steps:
    below, judging one request at a time, send some requests to a group that must compute their prefix
    again and evict another there, whose requests then miss in turn; owners keep the offline oracle's
    placement instead. A hot prefix (more requests in flight than ``hot_share`` × a group's fair share
-   per owner, or nearly all requests in flight while a group does not own it) is not restricted and
-   spreads. (Measured on the simulated grid, 8 seeds, 288 cells:
+   per owner, or nearly all requests in flight while a group does not own it, or all of them while a
+   group is idle) is not restricted and spreads. (Measured on the simulated grid, 8 seeds, 288 cells:
    265 cells at ≥ 0.97× the best of ``prefix_only`` and the oracle against 135 without, TTFT p50
    0.674× ``prefix_only``'s against 0.794×, p99 0.776× against 0.831×.)
 2. **Filter saturated groups.** A group is saturated when it carries more than ``balance_abs`` +

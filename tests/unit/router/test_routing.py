@@ -153,10 +153,12 @@ def test_the_routers_free_blocks_follow_the_index() -> None:
 @pytest.mark.parametrize(("keep_owners", "expected"), [(True, "a"), (False, "b")])
 def test_a_group_prefilling_the_prefix_is_costed_as_holding_it(keep_owners: bool, expected: str) -> None:
     """a is prefilling PROMPT (no first token yet, so no index holds it). vLLM caches blocks when it schedules
-    them, so a follower sent to a finds the 4 shared blocks cached: it goes to a, though b is idle, and the
-    router counts only its own last block as prefill queued there. Without prefix owners every prefix may
-    spread: a copy of a prefix still being prefilled costs only its own prefill, and idle b is cheaper."""
+    them, so a follower sent to a finds the 4 shared blocks cached: it goes to a, though b runs only one request
+    (another ingress's), and the router counts only its own last block as prefill queued there. Without prefix
+    owners every prefix may spread: a copy of a prefix still being prefilled costs only its own prefill, and b is
+    cheaper."""
     r = router(groups=("a", "b"), keep_prefix_owners=keep_owners)
+    r.update_engine_load("b", EngineLoad(running=1, waiting=0, kv_usage=0.1))
     seen = record_candidates(r, "prefilling_blocks")
     assert r.route("first", PROMPT).group == "a"
     follower = r.route("follower", PROMPT[: 4 * BLOCK] + [5] * 40)
@@ -168,12 +170,19 @@ def test_a_group_prefilling_the_prefix_is_costed_as_holding_it(keep_owners: bool
     assert seen[-1][0] == 2  # as much as this prompt shares with a's prefills
 
 
-def test_a_hot_prefix_in_its_first_prefill_spreads() -> None:
-    """Requests for one prefix while its first prefill runs: the second follows it; with more in flight than
-    hot_share (1.5) × a group's fair share, the prefix is hot and copying it costs only its own prefill."""
-    r = router(groups=("a", "b"))
-    groups = [r.route(str(i), PROMPT[: 4 * BLOCK] + [i] * 40).group for i in range(3)]
-    assert groups == ["a", "a", "b"]
+@pytest.mark.parametrize("another_prefix_in_flight", [False, True])
+def test_a_hot_prefix_in_its_first_prefill_spreads(another_prefix_in_flight: bool) -> None:
+    """Requests for one prefix while its first prefill runs. Where that prefill is the only request in flight and
+    a group is idle, the second goes to an idle group: a copy there takes compute that would otherwise wait, and
+    no other prefix in flight wants that cache. With another prefix in flight it follows the first (counted as
+    holding the prefix). The third, with more in flight than hot_share (1.5) × a group's fair share, or all of
+    them beside an idle group, finds the prefix hot: copying it costs only its own prefill, and it spreads."""
+    r = router(groups=("a", "b", "c"))
+    if another_prefix_in_flight:
+        assert r.route("another", [5] * 4 * BLOCK).group == "a"
+    first, second, third = (r.route(str(i), PROMPT[: 4 * BLOCK] + [i] * 40).group for i in range(3))
+    assert (second == first) == another_prefix_in_flight
+    assert third not in (first, second)
 
 
 def test_the_router_counts_prefills_in_progress_by_first_block_until_their_first_token() -> None:
