@@ -98,7 +98,10 @@ class PrefixOwners:
         a prefix's second request, sent while the first is the only request in flight, waited behind that whole
         first prefill while other groups idled, and the next ones queued behind both; a copy on an idle group
         uses compute that would otherwise wait, and no other prefix in flight wants that group's cache (the
-        grid's ``hot`` cells at 25 req/s: TTFT p99 1.07–1.11× ``prefix_only``'s against 1.00–1.01× with it)."""
+        grid's ``hot`` cells at 25 req/s: TTFT p99 1.07–1.11× ``prefix_only``'s against 1.00–1.01× with it). It
+        cost the grid's closed-loop ``multiturn`` cell at concurrency 16, whose chats run in lockstep: the first
+        four land one per group, and a later burst of all 16 second turns spills unevenly (p99 1.00× → 1.19×
+        ``prefix_only``'s; docs/benchmarks.md)."""
         groups = len(outstanding)
         total = outstanding.sum()
         fair_share = max(1.0, total / groups)
