@@ -196,6 +196,14 @@ class CacheAwareParams(PolicyParams):
             "the prefixes it owns (router/policies/prefix_owners.py); off: every request is judged by the costs alone."
         ),
     )
+    spread_when_alone: bool = Field(
+        True,
+        description=(
+            "With keep_prefix_owners: a prefix carrying every request in flight while a group is idle is hot and may "
+            "spread, so its second request does not wait behind the first's whole prefill while groups idle. Off: "
+            "only the hot_share clauses make a prefix hot."
+        ),
+    )
     private_blocks: float = Field(
         2.0,
         ge=0,
@@ -226,7 +234,11 @@ class CacheAwarePolicy(RoutingPolicy):
         assert isinstance(self.params, CacheAwareParams)
         self.p: CacheAwareParams = self.params
         self._ties = TieBreaker()
-        self.owners = PrefixOwners(self.p.private_blocks, self.p.hot_share) if self.p.keep_prefix_owners else None
+        self.owners = (
+            PrefixOwners(self.p.private_blocks, self.p.hot_share, self.p.spread_when_alone)
+            if self.p.keep_prefix_owners
+            else None
+        )
 
     def choose(self, request: RoutingRequest, groups: Candidates) -> int:
         """The cheapest allowed group; the choice is recorded as routed (the router sends every chosen request)."""

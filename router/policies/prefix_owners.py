@@ -59,9 +59,10 @@ class Allowed:
 
 
 class PrefixOwners:
-    def __init__(self, private_blocks: float, hot_share: float) -> None:
+    def __init__(self, private_blocks: float, hot_share: float, spread_when_alone: bool = True) -> None:
         self.private_blocks = private_blocks
         self.hot_share = hot_share
+        self.spread_when_alone = spread_when_alone
         self._prefixes: dict[int, _Prefix] = {}
         self._owned_blocks = np.zeros(16, dtype=np.int64)  # per group id: blocks of the prefixes it owns
         self._inflow = np.zeros(16, dtype=np.int64)  # per group id: blocks routed there to be filled, cumulative
@@ -90,7 +91,8 @@ class PrefixOwners:
     def _hot(self, in_flight: int, owners: int, outstanding: np.ndarray) -> bool:
         """More requests in flight than ``hot_share`` × a group's fair share per owner; or, while some group does
         not own it, more than ``hot_share`` per owner and nearly every request in flight (more than all groups but
-        half of one carry at their fair share), or every request in flight while a group is idle.
+        half of one carry at their fair share), or every request in flight while a group is idle
+        (``spread_when_alone``).
 
         Without the second clause a prefix that carries all the load never reaches the last groups: ``hot_share``
         × owners × fair share exceeds all requests in flight from n / ``hot_share`` owners on (the grid's ``hot``
@@ -110,7 +112,7 @@ class PrefixOwners:
             return True
         if owners == groups:
             return False
-        alone_beside_an_idle_group = 0 < in_flight == total and (outstanding == 0).any()
+        alone_beside_an_idle_group = self.spread_when_alone and 0 < in_flight == total and (outstanding == 0).any()
         return alone_beside_an_idle_group or in_flight > max(spread_over_owners, fair_share * (groups - 0.5))
 
     def routed(self, request: RoutingRequest, groups: Candidates, choice: int) -> None:

@@ -170,18 +170,21 @@ def test_a_group_prefilling_the_prefix_is_costed_as_holding_it(keep_owners: bool
     assert seen[-1][0] == 2  # as much as this prompt shares with a's prefills
 
 
-@pytest.mark.parametrize("another_prefix_in_flight", [False, True])
-def test_a_hot_prefix_in_its_first_prefill_spreads(another_prefix_in_flight: bool) -> None:
+@pytest.mark.parametrize(
+    ("another_prefix_in_flight", "spread_when_alone"), [(False, True), (True, True), (False, False)]
+)
+def test_a_hot_prefix_in_its_first_prefill_spreads(another_prefix_in_flight: bool, spread_when_alone: bool) -> None:
     """Requests for one prefix while its first prefill runs. Where that prefill is the only request in flight and
     a group is idle, the second goes to an idle group: a copy there takes compute that would otherwise wait, and
-    no other prefix in flight wants that cache. With another prefix in flight it follows the first (counted as
-    holding the prefix). The third, with more in flight than hot_share (1.5) × a group's fair share, or all of
-    them beside an idle group, finds the prefix hot: copying it costs only its own prefill, and it spreads."""
-    r = router(groups=("a", "b", "c"))
+    no other prefix in flight wants that cache. With another prefix in flight, or ``spread_when_alone`` off, it
+    follows the first (counted as holding the prefix). The third, with more in flight than hot_share (1.5) × a
+    group's fair share, or all of them beside an idle group, finds the prefix hot: copying it costs only its own
+    prefill, and it spreads."""
+    r = router(groups=("a", "b", "c"), spread_when_alone=spread_when_alone)
     if another_prefix_in_flight:
         assert r.route("another", [5] * 4 * BLOCK).group == "a"
     first, second, third = (r.route(str(i), PROMPT[: 4 * BLOCK] + [i] * 40).group for i in range(3))
-    assert (second == first) == another_prefix_in_flight
+    assert (second == first) == (another_prefix_in_flight or not spread_when_alone)
     assert third not in (first, second)
 
 
