@@ -10,8 +10,9 @@ Per request, in five steps:
    below, judging one request at a time, send some requests to a group that must compute their prefix
    again and evict another there, whose requests then miss in turn; owners keep the offline oracle's
    placement instead. A hot prefix (more requests in flight than ``hot_share`` × a group's fair share
-   per owner, or nearly all requests in flight while a group does not own it, or all of them while a
-   group is idle) is not restricted and spreads. (Measured on the simulated grid, 8 seeds, 288 cells:
+   per owner, or nearly all requests in flight while a group does not own it) is not restricted and
+   spreads; one carrying all requests in flight while a group is idle spreads among its owners and the
+   groups with room (``spread_when_alone``). (Measured on the simulated grid, 8 seeds, 288 cells:
    265 cells at ≥ 0.97× the best of ``prefix_only`` and the oracle against 135 without, TTFT p50
    0.674× ``prefix_only``'s against 0.794×, p99 0.776× against 0.831×.)
 2. **Filter saturated groups.** A group is saturated when it carries more than ``balance_abs`` +
@@ -199,9 +200,10 @@ class CacheAwareParams(PolicyParams):
     spread_when_alone: bool = Field(
         True,
         description=(
-            "With keep_prefix_owners: a prefix carrying every request in flight while a group is idle is hot and may "
-            "spread, so its second request does not wait behind the first's whole prefill while groups idle. Off: "
-            "only the hot_share clauses make a prefix hot."
+            "With keep_prefix_owners: a prefix carrying every request in flight while a group is idle spreads among "
+            "its owners and the groups with room for a copy (a copy of it still being prefilled costs only its own "
+            "prefill), so its second request does not wait behind the first's whole prefill while groups idle. Off: "
+            "only the hot_share clauses make a prefix spread."
         ),
     )
     private_blocks: float = Field(

@@ -22,7 +22,9 @@ requests sent to a group whose cached prefix was evicted before they ran). The o
   the policy's costs choose among those. A prefix whose requests in flight exceed ``hot_share`` × a
   group's fair share of all requests in flight, per owner, is unrestricted (a hot prefix spreads, and
   the group chosen becomes one more owner); so is one that carries nearly all of them while a group
-  does not own it, or all of them while a group is idle (:meth:`PrefixOwners._hot`).
+  does not own it (:meth:`PrefixOwners._hot`). One that carries all of them while a group is idle may
+  go to its owners and the groups with room, and there a copy of it still being prefilled costs only its own
+  prefill (:meth:`PrefixOwners._alone_beside_an_idle_group`).
 
 Written here rather than taken from a library: the peers' routers (SGLang's gateway, Ray Serve LLM's
 prefix-affinity router, llm-d's scorers) keep no per-prefix placement; they score each request alone.
@@ -55,7 +57,9 @@ class Allowed:
     groups: np.ndarray | None
     """A boolean column: the prefix's owners and the groups with room for another copy; None: any group."""
     hot: bool
-    """The prefix has more requests in flight than its owners' fair share: it spreads, one more group at a time."""
+    """The prefix spreads: a copy of it while it is still being prefilled costs only its own prefill. With ``groups``
+    None it has more requests in flight than its owners' fair share and may go anywhere, one more group at a time;
+    otherwise it carries every request in flight while a group is idle, and may go where ``groups`` allows."""
 
 
 class PrefixOwners:
@@ -79,41 +83,42 @@ class PrefixOwners:
         live = self._live_owner_positions(head, prefix, groups)
         if not live:
             return Allowed(None, hot=False)
-        if self._hot(sum(prefix.in_flight.values()), len(live), outstanding):
+        in_flight = sum(prefix.in_flight.values())
+        if self._hot(in_flight, len(live), outstanding):
             return Allowed(None, hot=True)
         ids = groups.group_ids
         self._fit(int(ids[-1]))
         used = self._owned_blocks[ids] + self.private_blocks * (groups.in_flight + 1) + prefix.blocks
         allowed = used <= groups.capacity_blocks
         allowed[live] = True
-        return Allowed(allowed, hot=False)
+        return Allowed(allowed, hot=self._alone_beside_an_idle_group(in_flight, outstanding))
 
     def _hot(self, in_flight: int, owners: int, outstanding: np.ndarray) -> bool:
         """More requests in flight than ``hot_share`` × a group's fair share per owner; or, while some group does
         not own it, more than ``hot_share`` per owner and nearly every request in flight (more than all groups but
-        half of one carry at their fair share), or every request in flight while a group is idle
-        (``spread_when_alone``).
-
-        Without the second clause a prefix that carries all the load never reaches the last groups: ``hot_share``
-        × owners × fair share exceeds all requests in flight from n / ``hot_share`` owners on (the grid's ``hot``
-        cells: 3 of 4 groups served it and one stayed idle, throughput 0.85× round robin's). Without its last part
-        a prefix's second request, sent while the first is the only request in flight, waited behind that whole
-        first prefill while other groups idled, and the next ones queued behind both; a copy on an idle group
-        uses compute that would otherwise wait, and no other prefix in flight wants that group's cache (the
-        grid's ``hot`` cells at 25 req/s: TTFT p99 1.07–1.11× ``prefix_only``'s against 1.00–1.01× with it). It
-        cost the grid's closed-loop ``multiturn`` cell at concurrency 16, whose chats run in lockstep: the first
-        four land one per group, and a later burst of all 16 second turns spills unevenly (p99 1.00× → 1.19×
-        ``prefix_only``'s; docs/benchmarks.md)."""
+        half of one carry at their fair share). Without the second clause a prefix that carries all the load never
+        reaches the last groups: ``hot_share`` × owners × fair share exceeds all requests in flight from
+        n / ``hot_share`` owners on (the grid's ``hot`` cells: 3 of 4 groups served it and one stayed idle,
+        throughput 0.85× round robin's)."""
         groups = len(outstanding)
-        total = outstanding.sum()
-        fair_share = max(1.0, total / groups)
+        fair_share = max(1.0, outstanding.sum() / groups)
         spread_over_owners = self.hot_share * owners
         if in_flight > fair_share * spread_over_owners:
             return True
-        if owners == groups:
-            return False
-        alone_beside_an_idle_group = self.spread_when_alone and 0 < in_flight == total and (outstanding == 0).any()
-        return alone_beside_an_idle_group or in_flight > max(spread_over_owners, fair_share * (groups - 0.5))
+        return owners < groups and in_flight > max(spread_over_owners, fair_share * (groups - 0.5))
+
+    def _alone_beside_an_idle_group(self, in_flight: int, outstanding: np.ndarray) -> bool:
+        """The prefix carries every request in flight while a group is idle (``spread_when_alone``): it spreads
+        among the groups allowed, so a copy of it while it is still being prefilled costs only its own prefill.
+
+        Otherwise a prefix's second request, sent while the first was the only request in flight, waited behind
+        that whole first prefill while other groups idled, and the next ones queued behind both. A copy on an idle
+        group with room for it beside the prefixes it owns uses compute that would otherwise wait, and no other
+        prefix in flight wants that group's cache (the grid's ``hot`` cells at 25 req/s: TTFT p99 1.07–1.11×
+        ``prefix_only``'s against 1.00–1.01× with it). It cost the grid's closed-loop ``multiturn`` cell at
+        concurrency 16, whose chats run in lockstep: the first four land one per group, and a later burst of all
+        16 second turns spills unevenly (p99 1.00× → 1.19× ``prefix_only``'s; docs/benchmarks.md)."""
+        return bool(self.spread_when_alone and 0 < in_flight == outstanding.sum() and (outstanding == 0).any())
 
     def routed(self, request: RoutingRequest, groups: Candidates, choice: int) -> None:
         """Record that ``request`` goes to row ``choice`` of ``groups``."""

@@ -188,6 +188,22 @@ def test_a_hot_prefix_in_its_first_prefill_spreads(another_prefix_in_flight: boo
     assert third not in (first, second)
 
 
+@pytest.mark.parametrize(("capacity_blocks", "second"), [(13, "a"), (1000, "b")])
+def test_a_prefix_alone_in_flight_is_copied_only_where_there_is_room(capacity_blocks: int, second: str) -> None:
+    """b owns a reused 8-block prefix. A new prefix's second request, while its first is the only request in flight
+    and b is idle, goes to b only where b has room for its 4 blocks beside the 8 it owns and 2 per request in
+    flight (this one): 14 blocks. Otherwise the copy would evict a prefix some later request wants."""
+    r = Router(make_policy("cache_aware"), BLOCK, clock=lambda: 0.0)
+    for name in ("a", "b"):
+        r.add_group(name, capacity_blocks)
+    owned = [(13 * i) % 900 + 100 for i in range(8 * BLOCK + 40)]
+    r.update_engine_load("a", EngineLoad(running=4, waiting=0, kv_usage=0.1))
+    assert [serve(r, owned, "owned-1"), serve(r, owned, "owned-2")] == ["b", "b"]
+    r.update_engine_load("a", EngineLoad(running=0, waiting=0, kv_usage=0.0))
+    assert r.route("first", PROMPT[: 4 * BLOCK] + [0] * 40).group == "a"
+    assert r.route("second", PROMPT[: 4 * BLOCK] + [1] * 40).group == second
+
+
 def test_the_router_counts_prefills_in_progress_by_first_block_until_their_first_token() -> None:
     r = router(groups=("a", "b"))
     seen = record_candidates(r, "prefilling")
