@@ -117,7 +117,9 @@ class PrefixOwners:
         prefix in flight wants that group's cache (the grid's ``hot`` cells at 25 req/s: TTFT p99 1.07–1.11×
         ``prefix_only``'s against 1.00–1.01× with it). It cost the grid's closed-loop ``multiturn`` cell at
         concurrency 16, whose chats run in lockstep: the first four land one per group, and a later burst of all
-        16 second turns spills unevenly (p99 1.00× → 1.19× ``prefix_only``'s; docs/benchmarks.md)."""
+        16 second turns spills unevenly (p99 1.00× → 1.19× ``prefix_only``'s), and on ``bench/route_live.py``'s
+        2 groups at 2 req/s it did not help (TTFT p99 1,010 against 852 ms with it off, medians of 3 rounds;
+        docs/benchmarks.md)."""
         return bool(self.spread_when_alone and 0 < in_flight == outstanding.sum() and (outstanding == 0).any())
 
     def routed(self, request: RoutingRequest, groups: Candidates, choice: int) -> None:
