@@ -246,7 +246,7 @@ class CacheAwarePolicy(RoutingPolicy):
         """The cheapest allowed group; the choice is recorded as routed (the router sends every chosen request)."""
         outstanding = groups.outstanding
         allowed = self.owners.allowed(request, groups, outstanding) if self.owners else None
-        spreads = allowed is None or allowed.hot
+        spreads = allowed is None or allowed.spreads
         cost = self.costs(request, groups, outstanding, spreads=spreads)
         saturated = self.saturated(groups, outstanding, self.p.balance_abs if spreads else self.p.balance_abs_owned)
         if allowed is not None and allowed.groups is not None:  # the prefix's owners and groups with room for a copy

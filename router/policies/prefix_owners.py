@@ -56,9 +56,9 @@ class _Prefix:
 class Allowed:
     groups: np.ndarray | None
     """A boolean column: the prefix's owners and the groups with room for another copy; None: any group."""
-    hot: bool
-    """The prefix spreads: a copy of it while it is still being prefilled costs only its own prefill. With ``groups``
-    None it has more requests in flight than its owners' fair share and may go anywhere, one more group at a time;
+    spreads: bool
+    """A copy of the prefix while it is still being prefilled costs only its own prefill. With ``groups`` None it is
+    hot (more requests in flight than its owners' fair share) and may go anywhere, one more group at a time;
     otherwise it carries every request in flight while a group is idle, and may go where ``groups`` allows."""
 
 
@@ -74,24 +74,24 @@ class PrefixOwners:
         self._last_use: dict[int, OrderedDict[int, int]] = {}  # group id → head → its inflow at the last use, LRU
 
     def allowed(self, request: RoutingRequest, groups: Candidates, outstanding: np.ndarray) -> Allowed:
-        """Which candidates the request may go to, and whether its prefix is hot; ``outstanding``:
+        """Which candidates the request may go to, and whether its prefix spreads; ``outstanding``:
         :attr:`Candidates.outstanding`, computed once per decision."""
         head = request.head
         prefix = self._prefixes.get(head) if head is not None else None
         if head is None or prefix is None or not prefix.owners:
-            return Allowed(None, hot=False)
+            return Allowed(None, spreads=False)
         live = self._live_owner_positions(head, prefix, groups)
         if not live:
-            return Allowed(None, hot=False)
+            return Allowed(None, spreads=False)
         in_flight = sum(prefix.in_flight.values())
         if self._hot(in_flight, len(live), outstanding):
-            return Allowed(None, hot=True)
+            return Allowed(None, spreads=True)
         ids = groups.group_ids
         self._fit(int(ids[-1]))
         used = self._owned_blocks[ids] + self.private_blocks * (groups.in_flight + 1) + prefix.blocks
         allowed = used <= groups.capacity_blocks
         allowed[live] = True
-        return Allowed(allowed, hot=self._alone_beside_an_idle_group(in_flight, outstanding))
+        return Allowed(allowed, spreads=self._alone_beside_an_idle_group(in_flight, outstanding))
 
     def _hot(self, in_flight: int, owners: int, outstanding: np.ndarray) -> bool:
         """More requests in flight than ``hot_share`` × a group's fair share per owner; or, while some group does
