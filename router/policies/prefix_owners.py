@@ -3,10 +3,9 @@ for another copy of it.
 
 Cost terms judge one request at a time, and where every group's KV cache is short of the prefixes in
 flight that is not enough: a request sent to a second group because its prefix's group is busier
-computes the prefix again and evicts another group's prefix there, whose next requests miss in turn
-(traced on the simulated grid, `bench/route_grid.py`: most misses on the 2-group, 32-block cells were
-requests sent to a group whose cached prefix was evicted before they ran). The offline oracle
-(`bench/oracle.py`) avoids that by giving each prefix one group; this is its online form:
+computes the prefix again and evicts another group's prefix there, whose next requests miss in turn.
+The offline oracle (`bench/oracle.py`) avoids that by giving each prefix one group; this is its online
+form (why each rule, with the measurements: docs/routing.md, section 1):
 
 * A prefix (a prompt's first block, :attr:`RoutingRequest.head`) is **owned** by the groups it was
   routed to, for as long as each still holds it, is prefilling it or runs one of its requests there
@@ -15,9 +14,8 @@ requests sent to a group whose cached prefix was evicted before they ran). The o
   by then: the bound on stale entries).
 * A group's **room** is its capacity less the blocks of the prefixes it owns and ``private_blocks`` per
   request this router has in flight there, this one included (its suffix and output, which no index
-  shows). A prefix counts from its first request: counting only prefixes already requested twice let
-  the first burst of requests copy prefixes onto groups that looked empty (measured on 8 seeds of the
-  grid, on the simulator before 2026-12-06: 176 cells at 0.97× the best hit rate against 182).
+  shows). A prefix counts from its first request, so the first burst of requests does not copy
+  prefixes onto groups that look empty.
 * A request for an owned prefix may go to its owners and to any group with room for one more copy;
   the policy's costs choose among those. A prefix whose requests in flight exceed ``hot_share`` × a
   group's fair share of all requests in flight, per owner, is unrestricted (a hot prefix spreads, and
@@ -98,8 +96,7 @@ class PrefixOwners:
         not own it, more than ``hot_share`` per owner and nearly every request in flight (more than all groups but
         half of one carry at their fair share). Without the second clause a prefix that carries all the load never
         reaches the last groups: ``hot_share`` × owners × fair share exceeds all requests in flight from
-        n / ``hot_share`` owners on (the grid's ``hot`` cells: 3 of 4 groups served it and one stayed idle,
-        throughput 0.85× round robin's)."""
+        n / ``hot_share`` owners on."""
         groups = len(outstanding)
         fair_share = max(1.0, outstanding.sum() / groups)
         spread_over_owners = self.hot_share * owners
@@ -114,12 +111,7 @@ class PrefixOwners:
         Otherwise a prefix's second request, sent while the first was the only request in flight, waited behind
         that whole first prefill while other groups idled, and the next ones queued behind both. A copy on an idle
         group with room for it beside the prefixes it owns uses compute that would otherwise wait, and no other
-        prefix in flight wants that group's cache (the grid's ``hot`` cells at 25 req/s: TTFT p99 1.07–1.11×
-        ``prefix_only``'s against 1.00–1.01× with it). It cost the grid's closed-loop ``multiturn`` cell at
-        concurrency 16, whose chats run in lockstep: the first four land one per group, and a later burst of all
-        16 second turns spills unevenly (p99 1.00× → 1.19× ``prefix_only``'s), and on ``bench/route_live.py``'s
-        2 groups at 2 req/s it did not help (TTFT p99 1,010 against 852 ms with it off, medians of 3 rounds;
-        docs/benchmarks.md)."""
+        prefix in flight wants that group's cache. What it gained and cost: docs/routing.md."""
         return bool(self.spread_when_alone and 0 < in_flight == outstanding.sum() and (outstanding == 0).any())
 
     def routed(self, request: RoutingRequest, groups: Candidates, choice: int) -> None:
