@@ -8,7 +8,11 @@ Per request, in five steps (why each rule and its default, with the measurements
    beside the prefixes they own. Judged one at a time, requests went where their prefix had to be
    computed again, evicting another group's prefix, whose requests then missed in turn. A hot prefix is
    not restricted and spreads; one carrying every request in flight while a group is idle spreads among
-   its owners and the groups with room (``spread_when_alone``).
+   its owners and the groups with room (``spread_when_alone``). **Keep a session on its group**
+   (``keep_sessions``): where every group holds the prompt's start (a system prompt) and some hold more
+   (a chat's own history), the prompt goes to those holding the most unless they are all saturated.
+   Judged one at a time, a chat's next turn moved to a group with a shorter queue, computed its history
+   again there and took its later turns along, and in a burst of turns the group it joined spilled in turn.
 2. **Filter saturated groups**: a group carrying more than ``balance_abs`` + ``balance_rel`` × the least
    loaded group's outstanding requests (``balance_abs_owned`` for a request kept on its prefix's owners,
    whose move would compute and copy the prefix), or, if enabled, whose KV usage reaches
@@ -137,6 +141,15 @@ class CacheAwareParams(PolicyParams):
             "the prefixes it owns (router/policies/prefix_owners.py); off: every request is judged by the costs alone."
         ),
     )
+    keep_sessions: bool = Field(
+        True,
+        description=(
+            "A prompt of which every group holds the start and some group more (a chat's history beyond a system "
+            "prompt every group holds) goes to the groups holding the most, unless each of them is saturated at "
+            "balance_abs_owned: moving it computes that history again and moves the session's later turns there for "
+            "good. Off: the costs choose among all groups."
+        ),
+    )
     spread_when_alone: bool = Field(
         True,
         description=(
@@ -188,15 +201,27 @@ class CacheAwarePolicy(RoutingPolicy):
         allowed = self.owners.allowed(request, groups, outstanding) if self.owners else None
         spreads = allowed is None or allowed.spreads
         cost = self.costs(request, groups, outstanding, spreads=spreads)
-        saturated = self.saturated(groups, outstanding, self.p.balance_abs if spreads else self.p.balance_abs_owned)
+        session = self.session_holders(groups)
+        kept = session is not None or not spreads
+        saturated = self.saturated(groups, outstanding, self.p.balance_abs_owned if kept else self.p.balance_abs)
         if allowed is not None and allowed.groups is not None:  # the prefix's owners and groups with room for a copy
             cost[~allowed.groups] = np.inf
+        if session is not None and (np.isfinite(cost[session]) & ~saturated[session]).any():
+            cost[~session] = np.inf
         if (np.isfinite(cost) & ~saturated).any():
             cost[saturated] = np.inf
         choice = self._ties.pick(np.flatnonzero(cost == cost.min()))
         if self.owners:
             self.owners.routed(request, groups, choice)
         return choice
+
+    def session_holders(self, groups: Candidates) -> np.ndarray | None:
+        """With ``keep_sessions``, where every group holds the prompt's start and some hold more of it (a session's
+        own history): those holding the most, as a boolean column; otherwise None."""
+        held = groups.matched_blocks
+        if not self.p.keep_sessions or len(held) < 2 or held.min() == 0 or held.max() == held.min():
+            return None
+        return held == held.max()
 
     def on_finished(self, request: RoutingRequest, group: str) -> None:
         if self.owners:

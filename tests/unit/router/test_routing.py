@@ -101,6 +101,29 @@ def test_a_prefix_is_copied_only_when_the_holders_queue_outweighs_twice_its_pref
     assert (r.route("x", PROMPT).group == holder) is goes_to_holder
 
 
+@pytest.mark.parametrize(
+    ("keep_sessions", "holder_running", "expected"), [(True, 0, "a"), (False, 0, "b"), (True, 20, "b")]
+)
+def test_a_session_stays_on_the_group_holding_its_history(
+    keep_sessions: bool, holder_running: int, expected: str
+) -> None:
+    """Both groups hold a 4-block system prompt, a also the chat's 2-block history, and a has two 600-token prefills
+    queued: about 1,340 prompt-token equivalents ahead of the next turn there, against its 296 uncached tokens and the
+    512 of a duplicate on b. By the costs alone the turn moves to b (and its later turns with it); kept, it stays on
+    a, unless a is saturated (20 running, over balance_abs_owned)."""
+    r = router(groups=("a", "b"), keep_sessions=keep_sessions)
+    system, history = PROMPT[: 4 * BLOCK], [(7 * i) % 900 + 100 for i in range(2 * BLOCK)]
+    r.index.record_stored("a", block_keys(system + history, BLOCK))
+    r.index.record_stored("b", block_keys(system, BLOCK))
+    other_head = [(13 * i) % 900 + 101 for i in range(4 * BLOCK)]
+    r.index.record_stored("a", block_keys(other_head, BLOCK))
+    for n in range(2):
+        assert r.route(f"queued-{n}", other_head + [n + 1] * 600).group == "a"  # no first token yet
+    if holder_running:
+        r.update_engine_load("a", EngineLoad(running=holder_running, waiting=0, kv_usage=0.3))
+    assert r.route("next-turn", system + history + [5] * 40).group == expected
+
+
 @pytest.mark.parametrize(("new_prefix_weight", "expected"), [(0.25, "b"), (0.0, "a")])
 def test_a_new_prefix_goes_to_the_group_owning_fewer_reused_prefixes(new_prefix_weight: float, expected: str) -> None:
     """a owns a prefix requested twice (4 blocks), b owns none but runs one request more (decode_weight 16). A new
