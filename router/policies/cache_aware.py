@@ -14,8 +14,8 @@ Per request, in five steps (why each rule and its default, with the measurements
    Judged one at a time, a chat's next turn moved to a group with a shorter queue, computed its history
    again there and took its later turns along, and in a burst of turns the group it joined spilled in turn.
 2. **Filter saturated groups**: a group carrying more than ``balance_abs`` + ``balance_rel`` × the least
-   loaded group's outstanding requests (``balance_abs_owned`` for a request kept on its prefix's owners,
-   whose move would compute and copy the prefix), or, if enabled, whose KV usage reaches
+   loaded group's outstanding requests (``balance_abs_owned`` for a request kept on its prefix's owners or
+   its session's group, whose move would compute and copy the prefix or history), or, if enabled, whose KV usage reaches
    ``kv_saturation``. Saturated groups get nothing while another allowed group is not saturated, so
    affinity never piles onto a busy group and a hot prefix spreads to the next group; an owner keeps its
    prefix when no other group has room for it.
