@@ -219,7 +219,7 @@ class CacheAwarePolicy(RoutingPolicy):
         """With ``keep_sessions``, where every group holds the prompt's start and some hold more of it (a session's
         own history): those holding the most, as a boolean column; otherwise None."""
         held = groups.matched_blocks
-        if not self.p.keep_sessions or len(held) < 2 or held.min() == 0 or held.max() == held.min():
+        if not self.p.keep_sessions or held.min() == 0 or held.max() == held.min():  # one group: max == min
             return None
         return held == held.max()
 
