@@ -13,6 +13,12 @@ Per request, in five steps (why each rule and its default, with the measurements
    (a chat's own history), the prompt goes to those holding the most unless they are all saturated.
    Judged one at a time, a chat's next turn moved to a group with a shorter queue, computed its history
    again there and took its later turns along, and in a burst of turns the group it joined spilled in turn.
+   **Start a new chat where load is light** (``balance_new_sessions``): a prompt of a prefix most of whose
+   requests were a chat's next turn, that no group holds beyond the prefix, goes among the groups within
+   ``new_session_slack`` outstanding requests of the least loaded, unless none of them is allowed and not
+   saturated. Its later turns follow it; by the costs alone (a copy of the system prompt against a short
+   queue) the chats behind each of several system prompts piled onto the groups that held it first, and
+   stayed there.
 2. **Filter saturated groups**: a group carrying more than ``balance_abs`` + ``balance_rel`` × the least
    loaded group's outstanding requests (``balance_abs_owned`` for a request kept on its prefix's owners or
    its session's group, whose move would compute and copy the prefix or history), or, if enabled, whose KV usage reaches
@@ -150,6 +156,17 @@ class CacheAwareParams(PolicyParams):
             "good. Off: the costs choose among all groups."
         ),
     )
+    balance_new_sessions: bool = Field(
+        True,
+        description=(
+            "With keep_prefix_owners: a new chat (a prompt of a prefix whose requests are mostly a chat's next turn, "
+            "held by no group beyond that prefix) goes among the groups with at most new_session_slack more "
+            "outstanding requests than the least loaded, unless none of them is allowed and unsaturated: its later "
+            "turns follow it, so where it starts loads that group for the chat's life, while a copy of the prefix "
+            "costs one prefill. Off: the costs choose, and a chat's first turn stays where its prefix is."
+        ),
+    )
+    new_session_slack: int = Field(2, ge=0, description="See balance_new_sessions.")
     spread_when_alone: bool = Field(
         True,
         description=(
@@ -208,6 +225,10 @@ class CacheAwarePolicy(RoutingPolicy):
             cost[~allowed.groups] = np.inf
         if session is not None and (np.isfinite(cost[session]) & ~saturated[session]).any():
             cost[~session] = np.inf
+        elif self.p.balance_new_sessions and self.owners and self.owners.starts_session(request, groups):
+            light = outstanding <= outstanding.min() + self.p.new_session_slack
+            if (np.isfinite(cost[light]) & ~saturated[light]).any():
+                cost[~light] = np.inf
         if (np.isfinite(cost) & ~saturated).any():
             cost[saturated] = np.inf
         choice = self._ties.pick(np.flatnonzero(cost == cost.min()))

@@ -23,6 +23,8 @@ form (why each rule, with the measurements: docs/routing.md, section 1):
   does not own it (:meth:`PrefixOwners._hot`). One that carries all of them while a group is idle may
   go to its owners and the groups with room, and there a copy of it still being prefilled costs only its own
   prefill (:meth:`PrefixOwners._alone_beside_an_idle_group`).
+* A prefix also counts its requests that some group held further than the prefix (a chat's next turn), so
+  the policy can tell a new chat behind it from a one-off prompt (:meth:`PrefixOwners.starts_session`).
 
 Written here rather than taken from a library: the peers' routers (SGLang's gateway, Ray Serve LLM's
 prefix-affinity router, llm-d's scorers) keep no per-prefix placement; they score each request alone.
@@ -48,6 +50,9 @@ class _Prefix:
     """Group id → its requests in flight there."""
     requests: int = 0
     """Requests this router sent for it so far; from the second on it is reused, and evicting it costs hits."""
+    continued: int = 0
+    """Those of its requests of which some group held more than the prefix: a chat's next turn, whose prompt
+    extends an earlier turn's prompt and answer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +131,7 @@ class PrefixOwners:
         group = int(groups.group_ids[choice])
         self._fit(group)
         prefix.requests += 1
+        prefix.continued += int(groups.matched_blocks.max()) > prefix.blocks
         if prefix.requests == 2:
             self._once_blocks[prefix.owners] -= prefix.blocks
         if group not in prefix.owners:
@@ -168,6 +174,14 @@ class PrefixOwners:
     def owners(self, head: int) -> list[int]:
         prefix = self._prefixes.get(head)
         return list(prefix.owners) if prefix else []
+
+    def starts_session(self, request: RoutingRequest, groups: Candidates) -> bool:
+        """A request of a chat's prefix (at least half its requests, and two or more, were a chat's next turn) that
+        no group holds beyond the prefix: a new chat, whose next turns will follow it."""
+        prefix = self._prefixes.get(request.head) if request.head is not None else None
+        if prefix is None or prefix.continued < 2 or 2 * prefix.continued < prefix.requests:
+            return False
+        return int(groups.matched_blocks.max()) <= prefix.blocks
 
     def is_new(self, head: int | None) -> bool:
         """A prompt with a first block that no group owns: where it goes, its prefix's later requests follow."""

@@ -124,6 +124,29 @@ def test_a_session_stays_on_the_group_holding_its_history(
     assert r.route("next-turn", system + history + [5] * 40).group == expected
 
 
+@pytest.mark.parametrize(
+    ("balance_new_sessions", "chats", "expected"), [(True, True, "b"), (False, True, "a"), (True, False, "a")]
+)
+def test_a_new_chat_starts_on_a_lightly_loaded_group(balance_new_sessions: bool, chats: bool, expected: str) -> None:
+    """a holds a 4-block system prompt and runs three of its requests; b is idle. Where those three are chats' next
+    turns (a holds their histories beyond the system prompt), a new chat behind it goes to b, though a copy of the
+    system prompt costs more there than a's queue: its later turns will follow it. Where they are one-off prompts
+    sharing the prefix, the new request stays with the prefix."""
+    r = router(groups=("a", "b"), balance_new_sessions=balance_new_sessions)
+    system = PROMPT[: 4 * BLOCK]
+    assert serve(r, system + [1] * 40, "first") == "a"
+    r.index.record_stored("a", block_keys(system, BLOCK))
+    for n in range(3):
+        if chats:
+            history = [(7 * i + n) % 900 + 100 for i in range(2 * BLOCK)]
+            r.index.record_stored("a", block_keys(system + history, BLOCK))
+            prompt = system + history + [2] * 40
+        else:
+            prompt = system + [n + 3] * 40
+        assert r.route(f"in-flight-{n}", prompt).group == "a"
+    assert r.route("new-chat", system + [9] * 40).group == expected
+
+
 @pytest.mark.parametrize(("new_prefix_weight", "expected"), [(0.25, "b"), (0.0, "a")])
 def test_a_new_prefix_goes_to_the_group_owning_fewer_reused_prefixes(new_prefix_weight: float, expected: str) -> None:
     """a owns a prefix requested twice (4 blocks), b owns none but runs one request more (decode_weight 16). A new
