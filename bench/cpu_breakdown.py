@@ -2,10 +2,11 @@
 
 Starts a ``bench.serve_overhead`` target (default ``flotilla``: ``flotilla serve``, 1 group of
 tiny-llama, defaults), then samples every process's CPU time (psutil) over an idle window and over a
-``bench serve`` run at ``--concurrency``, and reports the cores each role used: the group's worker and
-EngineCore, its leader, the ingress, HAProxy, the coordinator, Ray's own daemons (or, for a vLLM
-target, its API servers). What runs while nothing is asked of the server is what steals time from a
-decode step on a small machine.
+``bench serve`` run at ``--concurrency``, and reports the cores each role used, and under load
+its CPU time per request (which, unlike cores, does not move with how fast the run went): the
+group's worker and EngineCore, its leader, the ingress, HAProxy, the coordinator, Ray's own daemons
+(or, for a vLLM target, its API servers). What runs while nothing is asked of the server is what
+steals time from a decode step on a small machine.
 
     python -m bench.cpu_breakdown [--idle-s 20] [--prompts 16] [--target flotilla-2g --concurrency 8]
 """
@@ -100,13 +101,18 @@ def main() -> None:
         f"then {args.prompts} requests (512 in / 64 out tokens) at concurrency {args.concurrency} from vLLM's "
         "`bench serve`.",
         "",
-        f"| process role | cores used, idle | cores used, concurrency-{args.concurrency} load |",
-        "|---|---|---|",
+        f"| process role | cores used, idle | cores used, concurrency-{args.concurrency} load | CPU per request |",
+        "|---|---|---|---|",
     ]
+
+    def row(role: str, idle_s: float, busy_s: float) -> str:
+        per_request_ms = 1000 * busy_s / args.prompts
+        return f"| {role} | {idle_s / idle_wall:.3f} | {busy_s / busy_wall:.3f} | {per_request_ms:.1f} ms |"
+
     for role in dict.fromkeys(role for role, _ in ROLES):
         if role in idle or role in busy:
-            lines.append(f"| {role} | {idle.get(role, 0) / idle_wall:.3f} | {busy.get(role, 0) / busy_wall:.3f} |")
-    lines.append(f"| **all** | {sum(idle.values()) / idle_wall:.3f} | {sum(busy.values()) / busy_wall:.3f} |")
+            lines.append(row(role, idle.get(role, 0), busy.get(role, 0)))
+    lines.append(row("**all**", sum(idle.values()), sum(busy.values())))
     report = "\n".join(lines)
     (RESULTS / "cpu_breakdown.md").write_text(report + "\n")
     if not args.no_docs:
