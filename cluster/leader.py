@@ -300,6 +300,17 @@ class GroupLeader:
             vllm_instance_id=self.vllm_instance_id if self.phase is EnginePhase.READY else None,
         )
 
+    async def watch_load(self, known: LoadReport | None, timeout_s: float) -> LoadReport:
+        """The load once it differs from ``known``, or after ``timeout_s`` as it is: a long poll.
+
+        Each ingress replica follows every group's load. Polled, an idle group answered the same
+        report five times a second per replica; watched, it answers once a step changes the load.
+        """
+        deadline = time.monotonic() + timeout_s
+        while (report := self.load()) == known and (left := deadline - time.monotonic()) > 0:
+            await self._scheduler_stats.load_change(left)
+        return report
+
     async def eplb_snapshot(self) -> list[dict[str, Any] | None]:
         """Every rank's view of vLLM's EPLB state (``RankProbe.flotilla_eplb_snapshot``); empty without EPLB."""
         if self.engine is None or self.phase is not EnginePhase.READY or not self.spec.eplb:
@@ -339,9 +350,25 @@ class SchedulerStatsRecorder:
     def __init__(self) -> None:
         self.latest: Any = None
         self.progress_at = time.monotonic()
+        self._load_changed: asyncio.Event | None = None
 
     def progressed(self) -> None:
         self.progress_at = time.monotonic()
+
+    def recorded(self, scheduler_stats: Any) -> None:
+        previous, self.latest = self.latest, scheduler_stats
+        if self._load_changed is not None and (previous is None or _load_of(previous) != _load_of(scheduler_stats)):
+            self._load_changed.set()
+            self._load_changed = None
+
+    async def load_change(self, timeout_s: float) -> None:
+        """Returns once a step changes the engine's load (``_load_of``), or after ``timeout_s``."""
+        if self._load_changed is None:
+            self._load_changed = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._load_changed.wait(), timeout_s)
+        except TimeoutError:
+            pass
 
     def logger_factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -357,12 +384,16 @@ class SchedulerStatsRecorder:
             ) -> None:
                 recorder.progressed()
                 if scheduler_stats is not None:
-                    recorder.latest = scheduler_stats
+                    recorder.recorded(scheduler_stats)
 
             def log_engine_initialized(self) -> None:
                 pass
 
         return _Logger(vllm_config, engine_index)
+
+
+def _load_of(stats: Any) -> tuple[int, int, float]:
+    return stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage
 
 
 def _process_state(process: Any) -> str:

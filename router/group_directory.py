@@ -6,9 +6,9 @@ comes back with a new engine (a gang restart) gets a fresh channel, an empty pre
 and a new KV-event feed. If the coordinator is down, the last snapshot stays in force.
 
 Per group: the output channel to its leader, the engine facts (block size, KV capacity, event
-endpoints), a KV-event feed into the prefix index, and the engine load read every
-``load_poll_s``. A group whose events stop while prefills are routed to it falls back to
-approximate matching.
+endpoints), a KV-event feed into the prefix index, and the engine load, watched (the leader
+answers once it changes) at most every ``load_poll_s``. A group whose events stop while prefills
+are routed to it falls back to approximate matching.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from flotilla.cluster.contract import (
     EngineInfo,
     GroupSnapshot,
     GroupState,
+    LoadReport,
     Membership,
     RoutingChoice,
 )
@@ -39,6 +40,8 @@ from flotilla.router.settings import IngressSettings
 
 logger = logging.getLogger(__name__)
 COORDINATOR_RETRY_S = 0.5
+LOAD_WATCH_TIMEOUT_S = 10.0
+"""The longest a load watch waits on an idle group before it asks again."""
 
 
 @dataclass(slots=True)
@@ -52,6 +55,7 @@ class Member:
     """The group it is restarted with: itself, or the wide-EP group whose DP rank it is."""
     routable: bool = True
     feed: KvEventFeed | None = None
+    load_watch: asyncio.Task[None] | None = None
     events_due_by: float | None = None
     """Set when a prefill was routed here on precise knowledge; cleared by any event."""
 
@@ -128,7 +132,7 @@ class GroupDirectory:
         self.router.remove_group(member.name)  # a new engine caches nothing: start from an empty index
         self.router.add_group(member.name, info.num_kv_blocks)
         if self._started:
-            self._start_feed(member)
+            self._follow(member)
 
     def _shape_mismatch(self, info: EngineInfo) -> str | None:
         """What in a group's engine shape this replica cannot route by, if anything."""
@@ -144,6 +148,9 @@ class GroupDirectory:
         if member.feed is not None:
             member.feed.stop()
             member.feed = None
+        if member.load_watch is not None:
+            member.load_watch.cancel()
+            member.load_watch = None
         member.channel.close()
 
     def gang_of(self, member: Member) -> set[str]:
@@ -159,16 +166,18 @@ class GroupDirectory:
 
     # --- lifecycle -------------------------------------------------------------------------------
     def ensure_started(self) -> None:
-        """Start following membership, the load poller and event feeds (needs the running event loop)."""
+        """Start following membership, and each member's load and events (needs the running event loop)."""
         if self._started and all(not task.done() for task in self._tasks):
             return
         for task in self._tasks:
             task.cancel()
-        if not self._started:
-            for member in self.members.values():
-                self._start_feed(member)
+        for member in self.members.values():
+            if not self._started:
+                self._follow(member)
+            elif member.load_watch is None or member.load_watch.done():
+                member.load_watch = asyncio.create_task(self._watch_load(member))
         self._started = True
-        self._tasks = [asyncio.create_task(self._poll_forever()), asyncio.create_task(self._follow_membership())]
+        self._tasks = [asyncio.create_task(self._follow_membership())]
 
     def set_policy(self, choice: RoutingChoice) -> None:
         """Route by ``choice`` from now on; ValueError if its policy or parameters are wrong."""
@@ -201,8 +210,9 @@ class GroupDirectory:
         self.router.finished(decision, output_token_ids)
 
     # --- background ----------------------------------------------------------------------------------
-    def _start_feed(self, member: Member) -> None:
-        """Follow a new member's KV events (each engine generation is a new member)."""
+    def _follow(self, member: Member) -> None:
+        """Follow a new member's KV events and load (each engine generation is a new member)."""
+        member.load_watch = asyncio.create_task(self._watch_load(member))
         if self.routing.kv_events and member.info.kv_events_endpoint:
             member.feed = KvEventFeed(
                 member.name,
@@ -236,23 +246,32 @@ class GroupDirectory:
             ):
                 self.apply(membership)
 
-    async def _poll_forever(self) -> None:
-        while True:
-            routable = [member for member in self.members.values() if member.routable]
-            await asyncio.gather(*(self._poll(member) for member in routable))
-            await asyncio.sleep(self.routing.load_poll_s)
+    async def _watch_load(self, member: Member) -> None:
+        """Keep the router's view of ``member``'s engine load current, at most every ``load_poll_s``.
 
-    async def _poll(self, member: Member) -> None:
-        try:
-            report = await member.leader.load.remote()
-        except Exception as err:  # the coordinator handles dead groups; routing keeps the last load
-            logger.debug("load of %s unavailable: %s", member.name, err)
-            return
-        self.router.update_engine_load(member.name, EngineLoad(report.running, report.waiting, report.kv_usage))
-        if member.events_due_by is not None and time.monotonic() > member.events_due_by:
-            logger.warning("no KV events from %s; routing it on approximate knowledge", member.name)
-            self.index.set_precise(member.name, False)
-            member.events_due_by = None
+        The leader answers a watch once the load differs from the last report (``GroupLeader.watch_load``):
+        an idle group costs no calls, a busy one as many as polling did.
+        """
+        known: LoadReport | None = None
+        while True:
+            if member.routable:
+                timeout_s = LOAD_WATCH_TIMEOUT_S
+                if member.events_due_by is not None:
+                    timeout_s = min(timeout_s, max(0.0, member.events_due_by - time.monotonic()))
+                try:
+                    known = await member.leader.watch_load.remote(known, timeout_s)
+                except Exception as err:  # the coordinator handles dead groups; routing keeps the last load
+                    logger.debug("load of %s unavailable: %s", member.name, err)
+                else:
+                    load = EngineLoad(known.running, known.waiting, known.kv_usage)
+                    self.router.update_engine_load(member.name, load)
+                if member.events_due_by is not None and time.monotonic() > member.events_due_by:
+                    logger.warning("no KV events from %s; routing it on approximate knowledge", member.name)
+                    self.index.set_precise(member.name, False)
+                    member.events_due_by = None
+            else:
+                known = None  # back in routing, the router starts from no load: ask at once
+            await asyncio.sleep(self.routing.load_poll_s)
 
 
 async def with_engine_shape(

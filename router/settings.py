@@ -85,7 +85,14 @@ class RoutingConfig(BaseModel):
             "index, consistent across replicas). Off: each replica knows only what it routed itself."
         ),
     )
-    load_poll_s: float = Field(0.2, gt=0, description="How often each ingress reads every engine's scheduler load.")
+    load_poll_s: float = Field(
+        0.2,
+        gt=0,
+        description=(
+            "The most often each ingress reads an engine's scheduler load. Its leader answers once the load "
+            "changes, so an idle engine is not asked again."
+        ),
+    )
     event_timeout_s: float = Field(
         5.0,
         gt=0,
