@@ -7,7 +7,8 @@ restart budget runs out). Health checks run per group every ``health_period_s``:
 * the engine is alive (vLLM marks it dead when one of its worker actors dies);
 * the engine made progress in the last ``hang_timeout_s`` while it had work (a frozen rank or a
   stuck collective stalls every step without killing anything);
-* every worker actor in the group's placement group is alive (read from Ray's state API).
+* under the Ray executor, every worker actor in the group's placement group is alive (read from
+  Ray's state API; under mp the leader's health check reads its rank processes' states).
 
 A failure anywhere restarts the whole group (LeaderWorkerSet's ``RecreateGroupOnPodRestart``):
 it leaves routing at once, its leader is killed and its placement group removed (which kills
@@ -309,7 +310,10 @@ class Coordinator:
             if failure is not None:
                 prefix = f"{member.name}: " if len(members) > 1 else ""
                 return Failure(failure.kind, prefix + failure.reason)
-        if now - record.last_worker_check >= self.recovery.worker_check_period_s:
+        # Under mp the ranks are the leader's processes (its health check reads their state from the process
+        # table) and the placement group holds only leaders, probed above: no listing of Ray's actors to ask for.
+        workers_due = now - record.last_worker_check >= self.recovery.worker_check_period_s
+        if record.runtime.spec.executor == "ray" and workers_due:
             dead = await asyncio.to_thread(_dead_workers, record.runtime.placement_group)
             record.last_worker_check = now
             if dead:
