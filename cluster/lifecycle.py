@@ -48,7 +48,9 @@ class RecoveryConfig(BaseModel):
         ),
     )
     worker_check_period_s: float = Field(
-        2.0, gt=0, description="How often every worker actor's state is read from Ray (a dead rank vLLM missed)."
+        2.0,
+        gt=0,
+        description="How often every worker actor's state is read from Ray (Ray executor: a dead rank vLLM missed).",
     )
     drain_timeout_s: float = Field(
         30.0, ge=0, description="Operator restarts wait this long for in-flight requests before killing the group."
