@@ -105,8 +105,12 @@ def test_a_directory_asks_an_idle_group_once_and_follows_its_load_when_it_steps(
         )
         directory = GroupDirectory(settings, Coordinator(), Membership(1, 1.0, [group]), "127.0.0.1")
         directory.ensure_started()
-        await asyncio.sleep(0.5)  # polled every load_poll_s, that would be 50 calls
-        assert calls == [None, leader.load()]  # answered at once, then a watch waiting for the engine to step
+        async with asyncio.timeout(5):
+            while len(calls) < 2:  # the first watch is answered at once (it knows nothing), the second placed
+                await arrived.wait()
+                arrived.clear()
+        await asyncio.sleep(0.5)  # a window with nothing to report: polled every load_poll_s, 50 more calls
+        assert calls == [None, leader.load()]  # the second watch still waits for the engine to step
 
         leader._scheduler_stats.recorded(Stats(3, 1, 0.5))
         async with asyncio.timeout(5):
