@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from flotilla.cluster.config import LocalClusterConfig
+from flotilla.cluster.config import SERVE_CONTROL_LOOP_S, LocalClusterConfig
 from flotilla.cluster.ports import free_port
 
 
@@ -26,13 +26,16 @@ class LocalClusterShape:
     slots_per_node: int
     cpus_per_node: int
     object_store_bytes: int
+    serve_control_loop_s: float = SERVE_CONTROL_LOOP_S
 
     @classmethod
     def for_groups(cls, config: LocalClusterConfig, slots_needed: int, leaders: int) -> LocalClusterShape:
         slots_per_node = config.slots_per_node or -(-slots_needed // config.nodes)
         # Ray CPUs are logical: leave room for every leader bundle plus the ingress and spare.
         cpus = config.num_cpus_per_node or max(os.cpu_count() or 1, leaders + 2)
-        return cls(config.nodes, slots_per_node, cpus, config.object_store_memory_mib << 20)
+        return cls(
+            config.nodes, slots_per_node, cpus, config.object_store_memory_mib << 20, config.serve_control_loop_s
+        )
 
     @property
     def total_slots(self) -> int:
@@ -42,6 +45,7 @@ class LocalClusterShape:
 # Ray starts its workers at nice 15; the group's engine workers, leaders and ingress replicas are the
 # serving path and run at normal priority (see cluster.engine.run_at_normal_priority).
 WORKER_PRIORITY = {"worker_niceness": 0}
+SERVE_CONTROL_LOOP_ENV = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
 
 
 class LocalCluster:
@@ -56,6 +60,7 @@ class LocalCluster:
             "object_store_memory": shape.object_store_bytes,
         }
         self._node_args = node_args
+        os.environ[SERVE_CONTROL_LOOP_ENV] = str(shape.serve_control_loop_s)  # Ray's processes inherit it
         if shape.nodes == 1:
             ray.init(
                 address="local",  # always a new cluster, never one found in /tmp/ray

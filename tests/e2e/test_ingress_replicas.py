@@ -23,6 +23,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from devtools import Load, wait_for
+from flotilla.cluster.config import LocalClusterConfig
 from flotilla.cluster.contract import COORDINATOR_NAME, DEFAULT_NAMESPACE, leader_actor_name
 from flotilla.cluster.ports import free_port_run
 from flotilla.cluster.ray_connect import connect
@@ -138,6 +139,15 @@ def test_a_routing_change_reaches_every_replica_and_outlives_restarts(replicas: 
 
     assert wait_for(new_replica_answers, 120, interval_s=0.5), "no request reached the new replica"
     assert decisions(ports[0], "round_robin") > 0 and decisions(ports[0], "cache_aware") == 0
+
+
+def test_serve_controller_loops_at_the_local_cluster_setting(replicas: tuple[Server, list[int]]) -> None:
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    health = ray.get(controller.get_health_metrics.remote(), timeout=30)
+    assert health["expected_sleep_duration_s"] == LocalClusterConfig().serve_control_loop_s
+    assert health["loops_per_second"] <= 1 / LocalClusterConfig().serve_control_loop_s  # Serve's default: about 10
 
 
 def wait_replaced(port: int, victim: str) -> None:
