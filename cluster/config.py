@@ -44,10 +44,10 @@ class LocalClusterConfig(_Strict):
         gt=0,
         description=(
             "How often Ray Serve's controller runs its control loop (RAY_SERVE_CONTROL_LOOP_INTERVAL_S; Serve's "
-            "default 0.1 s). It manages only the ingress replicas, which it then starts or replaces up to 0.4 s "
-            "later (the coordinator manages the groups); ten loops a second cost the controller and the GCS "
-            "about 0.03 cores, idle or not, on a machine whose cores the engines need. A cluster Flotilla joins "
-            "keeps what it was started with."
+            "default 0.1 s). It manages only the ingress replicas (the coordinator manages the groups), which "
+            "then take about 1 s longer to deploy and up to 0.4 s longer to be replaced; ten loops a second cost "
+            "the controller and the GCS about 0.03 cores, idle or not, on a machine whose cores the engines need. "
+            "A cluster Flotilla joins keeps what it was started with."
         ),
     )
 
