@@ -35,6 +35,7 @@ from flotilla.cluster.engine import (
     kv_events_config,
     run_at_normal_priority,
     running_on_flotilla_cpu,
+    settle_after_startup,
     worker_env,
 )
 from flotilla.cluster.output_channel import OutputChannel
@@ -134,11 +135,7 @@ class GroupLeader:
 
         self._inbox = RequestInbox(ray.util.get_node_ip_address(), self._accept, self.abort)
         self.info = dataclasses.replace(self.info, inbox_endpoint=self._inbox.endpoint)
-        # What vLLM's API server and EngineCore do once up: the start-up heap (~650k objects) leaves the collector's
-        # view; a full collection over it would pause the event loop, and every stream, for most of a second.
-        from vllm.utils.gc_utils import freeze_gc_heap
-
-        freeze_gc_heap()
+        settle_after_startup()
         self.phase = EnginePhase.READY
         return self.info
 

@@ -25,6 +25,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from flotilla.cluster.contract import GroupSnapshot, Membership, RoutingChoice
+from flotilla.cluster.engine import settle_after_startup
 from flotilla.router.api_keys import API_PREFIXES, ApiKeyMiddleware, KeyFileFollower, KeyRing
 from flotilla.router.engine_client import REQUEST_CONTEXT, RequestContext, RoutedEngineClient
 from flotilla.router.engine_metrics import merge_group_metrics
@@ -174,7 +175,6 @@ class OpenAIIngress:
     async def __serve_build_asgi_app__(self) -> FastAPI:
         """Flotilla's routes and middleware around vLLM's app, which serves every other path."""
         from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
-        from vllm.utils.gc_utils import freeze_gc_heap
 
         openai_app = await build_openai_app(self.args, self.engine)
         app = FastAPI(title="Flotilla", docs_url=None, redoc_url=None)
@@ -189,9 +189,7 @@ class OpenAIIngress:
             path for route in openai_app.router.routes if (path := getattr(route, "path", "")).startswith(API_PREFIXES)
         )
         app.add_middleware(IngressMiddleware, stats=self.stats, endpoints=endpoints)  # outermost: sees every answer
-        # What vLLM's API server does once it is up: the start-up heap (vLLM, Ray, the tokenizer: ~700k objects)
-        # leaves the collector's view. Without it a full collection paused each replica for 955 ms (2026-12-06).
-        freeze_gc_heap()
+        settle_after_startup()  # without it a full collection paused each replica for 955 ms (2026-12-06)
         return app
 
     def _routes(self) -> APIRouter:

@@ -39,6 +39,20 @@ def test_engine_processes_leave_rays_worker_niceness_when_allowed() -> None:
         assert lowered == "True"
 
 
+def test_a_started_process_settles_as_vllm_does_heap_frozen_and_environment_read_once() -> None:
+    """In a child process: enabling vLLM's environment cache here would hide other tests' environment changes."""
+    script = (
+        "import gc, os; import vllm.envs as envs; from flotilla.cluster.engine import settle_after_startup; "
+        "settle_after_startup(); os.environ['VLLM_COMPUTE_NANS_IN_LOGITS'] = '1'; "
+        "print(gc.get_freeze_count() > 0, envs.VLLM_COMPUTE_NANS_IN_LOGITS)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_COMPUTE_NANS_IN_LOGITS", "VLLM_RAISE_ON_LOGIT_NANS")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
+    frozen, nans_checked = result.stdout.split()[-2:]
+    assert frozen == "True"
+    assert nans_checked == "False"  # read once, before the change: as EngineCore does once started
+
+
 def test_a_dp_rank_of_a_wide_ep_group_is_an_external_lb_rank_with_expert_parallelism() -> None:
     from flotilla.cluster.engine import EngineSpec, engine_kwargs
 
