@@ -351,7 +351,7 @@ import ray
 from flotilla.cluster.contract import DEFAULT_NAMESPACE, leader_actor_name
 from flotilla.cluster.ray_connect import connect
 
-address, group = sys.argv[1], sys.argv[2]
+address, group, busy = sys.argv[1], sys.argv[2], sys.argv[3] == "busy"
 connect(address)
 killed = set()
 deadline = time.monotonic() + 120
@@ -360,6 +360,9 @@ while not killed and time.monotonic() < deadline:
         leader = ray.get_actor(leader_actor_name(group), namespace=DEFAULT_NAMESPACE)
     except ValueError:  # between incarnations
         time.sleep(0.2)
+        continue
+    if busy and ray.get(leader.num_unfinished_requests.remote()) == 0:
+        time.sleep(0.05)
         continue
     if leader._actor_id.hex() not in killed:
         ray.kill(leader, no_restart=True)
@@ -370,10 +373,14 @@ sys.exit(0 if killed else 1)
 """
 
 
-def kill_leader(server: Server, group: str) -> None:
-    """Kill a group's current leader actor through Ray, as a crash would (waits for one to exist)."""
+def kill_leader(server: Server, group: str, busy: bool = False) -> None:
+    """Kill a group's current leader actor through Ray, as a crash would (waits for one to exist).
+
+    ``busy``: kill it only once it reports a request in its engine, asked in the same script, so a
+    request is certainly on the group when it dies (Prometheus's in-flight gauge may be seconds old).
+    """
     result = subprocess.run(
-        [sys.executable, "-c", KILL_LEADER, server.ray_address, group],
+        [sys.executable, "-c", KILL_LEADER, server.ray_address, group, "busy" if busy else "any"],
         cwd=REPO,
         timeout=180,
         capture_output=True,
@@ -406,8 +413,7 @@ def restarted(loaded: Prometheus, server: Server) -> list[dict[str, Any]]:
     with ThreadPoolExecutor(max_workers=4) as pool:
         callers = RepeatingCallers(pool, 4, complete)
         try:
-            loaded.poll('sum(flotilla_group_in_flight_requests{group="group-1"}) > 0', timeout_s=30)
-            kill_leader(server, "group-1")
+            kill_leader(server, "group-1", busy=True)
         finally:
             callers.stop()
         statuses = callers.statuses()
