@@ -45,12 +45,20 @@ ROLES = (  # (role, substring of the process's command line), first match wins
 )
 
 
+SPAWNED_BY = {"group leader": "EngineCore", "vLLM API server": "EngineCore", "EngineCore": "group worker"}
+"""The role of a process that kept its spawn command line (vLLM could not title it), by its parent's role."""
+
+
 def role_of(process: psutil.Process) -> str | None:
     try:
         command = " ".join(process.cmdline())
+        parent = process.parent() if "multiprocessing.spawn" in command else None
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
-    return next((role for role, needle in ROLES if needle in command), None)
+    role = next((role for role, needle in ROLES if needle in command), None)
+    if role is None and parent is not None:
+        return SPAWNED_BY.get(role_of(parent) or "")
+    return role
 
 
 def cpu_seconds() -> dict[str, float]:

@@ -257,10 +257,32 @@ def settle_after_startup() -> None:
     enable_envs_cache()
 
 
+TITLE_ANCHOR_ENV = "FLOTILLA_ENV_ANCHOR"
+"""First variable of the environment the engine's processes inherit (``keep_spawned_titles_settable``)."""
+
+
+def keep_spawned_titles_settable() -> None:
+    """Let the processes this one spawns (EngineCore, vLLM's workers) take the titles vLLM gives them.
+
+    setproctitle finds a process's argv by walking back from its first environment variable. A process that
+    changes that variable before vLLM names it (vLLM and torch set several at import) keeps its command line,
+    ``python -B -c from multiprocessing.spawn …``, in ``ps`` and ``top``: one group's EngineCore of two, in 3 of
+    4 starts of two groups (2026-12-07), as Ray orders a worker's environment differently per start. Here a
+    variable nobody changes goes first: Python's ``os.environ`` changes the C environment with setenv and
+    unsetenv, so moving every other variable to the end leaves it at the front, which is what a child inherits.
+    """
+    if next(iter(os.environ), None) == TITLE_ANCHOR_ENV:
+        return
+    os.environ[TITLE_ANCHOR_ENV] = "1"
+    for key in [key for key in os.environ if key != TITLE_ANCHOR_ENV]:
+        os.environ[key] = os.environ.pop(key)
+
+
 def apply_process_env(spec: EngineSpec, on_cpu: bool, node_cpus: float, node_slots: float) -> CoreClaim | None:
     """Environment for the leader process and the EngineCore (and, under ``mp``, worker) processes it spawns.
 
     Returns the cores claimed for the workers (``cpu_binding``), to be held while the engine runs."""
+    keep_spawned_titles_settable()
     os.environ.update(eplb_policy_env(spec))
     if not on_cpu:
         return None

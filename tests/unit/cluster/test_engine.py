@@ -53,6 +53,36 @@ def test_a_started_process_settles_as_vllm_does_heap_frozen_and_environment_read
     assert nans_checked == "False"  # read once, before the change: as EngineCore does once started
 
 
+SPAWN_AND_TITLE = """
+import multiprocessing, os, sys
+
+def engine_core():
+    for key in list(os.environ):  # as imports in the child may: every inherited variable changed but ours
+        if key != "FLOTILLA_ENV_ANCHOR":
+            os.environ[key] = os.environ[key] + ":"
+    import setproctitle
+
+    setproctitle.setproctitle("VLLM::EngineCore")  # as vLLM names it
+    print(open("/proc/self/comm").read().strip(), flush=True)
+
+if __name__ == "__main__":
+    from flotilla.cluster.engine import keep_spawned_titles_settable
+
+    keep_spawned_titles_settable()
+    child = multiprocessing.get_context("spawn").Process(target=engine_core)
+    child.start()
+    child.join()
+"""
+
+
+def test_a_spawned_engine_process_takes_its_title_whatever_it_changes_in_its_environment(tmp_path: Path) -> None:
+    """setproctitle finds argv from the first environment variable: a child that changed it kept its command line."""
+    script = tmp_path / "spawn_and_title.py"
+    script.write_text(SPAWN_AND_TITLE)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True, timeout=120)
+    assert result.stdout.split() == ["VLLM::EngineCor"]  # the kernel keeps 15 characters of a name
+
+
 def test_a_dp_rank_of_a_wide_ep_group_is_an_external_lb_rank_with_expert_parallelism() -> None:
     from flotilla.cluster.engine import EngineSpec, engine_kwargs
 
