@@ -332,7 +332,7 @@ async def _wait_for_groups(coordinator: Any, say: Say, needed: int) -> Membershi
 
 def _begin_ingress(deployment: Deployment) -> None:
     """Deploy the ingress without waiting for its replicas (``_wait_for_ingress`` does)."""
-    from flotilla.router.ingress import OpenAIIngress
+    from flotilla.router.ingress import SERVE_REPLICA_ENV, OpenAIIngress
     from flotilla.router.settings import IngressSettings
 
     config = deployment.config
@@ -354,7 +354,7 @@ def _begin_ingress(deployment: Deployment) -> None:
         proxy_location="HeadOnly" if on_head else "EveryNode",
         detached=False,
     )
-    actor_options: dict[str, Any] = {"num_cpus": 0}
+    actor_options: dict[str, Any] = {"num_cpus": 0, "runtime_env": {"env_vars": SERVE_REPLICA_ENV}}
     if on_head:
         actor_options["resources"] = {HEAD_NODE_RESOURCE: 0.001}
     ingress = OpenAIIngress.options(  # type: ignore[attr-defined]

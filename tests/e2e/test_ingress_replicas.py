@@ -150,6 +150,26 @@ def test_serve_controller_loops_at_the_local_cluster_setting(replicas: tuple[Ser
     assert health["loops_per_second"] <= 1 / LocalClusterConfig().serve_control_loop_s  # Serve's default: about 10
 
 
+def test_every_ingress_replica_runs_the_app_on_the_event_loop_of_serves_http_server(
+    replicas: tuple[Server, list[int]],
+) -> None:
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    def app_loop_threads(replica: object) -> tuple[bool, list[str]]:  # runs in the replica (nested: sent by value)
+        import threading
+
+        from ray.serve._private import constants
+
+        threads = [t.name for t in threading.enumerate() if "user_code_event_loop" in t.name]
+        return constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, threads
+
+    names = [a.name for a in alive_actors() if a.name and a.name.startswith("SERVE_REPLICA::") and "OpenAIIngress" in a.name]
+    assert len(names) == REPLICAS
+    for name in names:
+        replica = ray.get_actor(name, namespace=SERVE_NAMESPACE)
+        assert ray.get(replica.__ray_call__.remote(app_loop_threads), timeout=30) == (False, [])
+
+
 def wait_replaced(port: int, victim: str) -> None:
     """Until Ray Serve's replacement for the killed replica ``victim`` serves its metrics on ``port``."""
 
