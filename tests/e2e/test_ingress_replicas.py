@@ -163,7 +163,7 @@ def test_every_ingress_replica_runs_the_app_on_the_event_loop_of_serves_http_ser
         threads = [t.name for t in threading.enumerate() if "user_code_event_loop" in t.name]
         return constants.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, threads
 
-    names = [a.name for a in alive_actors() if a.name and a.name.startswith("SERVE_REPLICA::") and "OpenAIIngress" in a.name]
+    names = [a.name for a in alive_actors() if (a.name or "").startswith("SERVE_REPLICA::flotilla#OpenAIIngress")]
     assert len(names) == REPLICAS
     for name in names:
         replica = ray.get_actor(name, namespace=SERVE_NAMESPACE)
