@@ -266,8 +266,8 @@ def keep_spawned_titles_settable() -> None:
 
     setproctitle finds a process's argv by walking back from its first environment variable. A process that
     changes that variable before vLLM names it (vLLM and torch set several at import) keeps its command line,
-    ``python -B -c from multiprocessing.spawn …``, in ``ps`` and ``top``: one group's EngineCore of two, in 3 of
-    4 starts of two groups (2026-12-07), as Ray orders a worker's environment differently per start. Here a
+    ``python -B -c from multiprocessing.spawn …``, in ``ps`` and ``top``: one group's EngineCore of two, in 7 of
+    17 starts of two groups (2026-12-07), as Ray orders a worker's environment differently per start. Here a
     variable nobody changes goes first: Python's ``os.environ`` changes the C environment with setenv and
     unsetenv, so moving every other variable to the end leaves it at the front, which is what a child inherits.
     """
