@@ -54,7 +54,7 @@ def test_a_started_process_settles_as_vllm_does_heap_frozen_and_environment_read
 
 
 SPAWN_AND_TITLE = """
-import multiprocessing, os, sys
+import multiprocessing, os
 
 def engine_core():
     for key in list(os.environ):  # as imports in the child may: every inherited variable changed but ours
