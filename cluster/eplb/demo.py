@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,6 +62,7 @@ def run_demo(
     config = EpGroupConfig(
         model=model_dir, ranks=num_ranks, redundant=num_redundant, tick_s=DEMO_TICK_S, controller=DEMO_CONFIG
     )
+    interrupt_on_stop_signals()  # after ray.init, which puts its own SIGTERM handler in
     coordinator: Any = (
         ray.remote(Coordinator)
         .options(**coordinator_actor_options(DEFAULT_NAMESPACE))
@@ -99,6 +101,16 @@ def run_demo(
         ray.get(coordinator.shutdown.remote())
         ray.kill(coordinator, no_restart=True)
     return 0
+
+
+def interrupt_on_stop_signals() -> None:
+    """Ctrl-C and SIGTERM both raise KeyboardInterrupt, so the demo ends through its cleanup.
+
+    Started as a shell's background job the process inherits SIGINT ignored, and Python then raises
+    nothing on Ctrl-C; Ray's own SIGTERM handler exits without saying why.
+    """
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, signal.default_int_handler)
 
 
 def wait_for_ep_group(namespace: str, timeout_s: float) -> Any:
