@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -195,7 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    code = int(args.func(args))
+    # The interpreter's exit collects every object still tracked: all that vLLM, torch and Ray made here,
+    # 2 of a `flotilla serve` Ctrl-C's 11 s on 2 cores. Nothing of it needs collecting any more.
+    gc.freeze()
+    return code
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
-"""`flotilla serve` refuses bad configs before starting anything."""
+"""`flotilla serve` refuses bad configs before starting anything; every command exits without a last collection."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from flotilla.cli import main
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -52,3 +55,13 @@ def test_make_model_is_a_no_op_when_up_to_date(models_dir, smollm2) -> None:
     )
     for name in ("tiny-llama", "tiny-mixtral", "smollm2-135m-instruct"):
         assert f"{name}: up to date" in result.stdout
+
+
+def test_a_command_leaves_what_it_made_out_of_the_collection_at_exit(tiny_llama) -> None:
+    gc.unfreeze()
+    try:
+        command = ["plan", "--model", str(tiny_llama), "--nodes", "1", "--accelerators-per-node", "1"]
+        assert main(command + ["--memory-gib", "80"]) == 0
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
