@@ -126,6 +126,8 @@ class GroupLeader:
         except Exception as err:
             self.phase, self.error = EnginePhase.FAILED, f"{type(err).__name__}: {err}"
             raise
+        # A graceful stop (Ctrl-C, a drained restart) waits for the EngineCore to exit: 2 s less of it.
+        await self.engine.collective_rpc(RankProbe.flotilla_skip_collection_at_exit.__name__)
         if self.spec.executor == "mp":
             # Kept for the engine's life: a rank that dies is listed DEAD (then the group restarts).
             self._ranks = await self._ask_ranks()

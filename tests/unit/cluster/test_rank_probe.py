@@ -1,10 +1,13 @@
-"""A rank names itself even where setproctitle lost the process's argv (then it reports no title), and
-reports the EPLB load vLLM recorded under its current placement only."""
+"""A rank names itself even where setproctitle lost the process's argv (then it reports no title),
+reports the EPLB load vLLM recorded under its current placement only, and can leave its heap out of the
+interpreter's last collection."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +15,22 @@ import setproctitle
 import torch
 from vllm.distributed import parallel_state
 
+from devtools import REPO
 from flotilla.cluster.rank_probe import RankProbe
+
+# A process whose heap holds a reference cycle with a finalizer: the exit's last collection finds it.
+CYCLE_AT_EXIT = """
+import os, sys
+from flotilla.cluster.rank_probe import RankProbe
+class Cycle:
+    def __init__(self):
+        self.me = self
+    def __del__(self):
+        os.write(1, b"walked")
+kept = Cycle()
+if sys.argv[1] == "skip":
+    RankProbe().flotilla_skip_collection_at_exit()
+"""
 
 
 def group(rank: int, size: int) -> SimpleNamespace:
@@ -71,3 +89,11 @@ def test_the_eplb_load_covers_the_newest_window_entries_recorded_since_the_last_
     just_rebalanced = eplb_rank(steps_since_rebalance=5, write_position=1).flotilla_eplb_snapshot()
     assert just_rebalanced is not None
     assert just_rebalanced["window_steps"] == 0 and just_rebalanced["load"] == [[0, 0]]
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("keep", "walked"), ("skip", "")])
+def test_a_rank_can_leave_its_heap_out_of_the_collection_at_exit(mode, expected) -> None:
+    child = subprocess.run(
+        [sys.executable, "-c", CYCLE_AT_EXIT, mode], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert (child.returncode, child.stdout) == (0, expected), child.stderr
