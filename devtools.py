@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import psutil
 
 REPO = Path(__file__).resolve().parent
 T = TypeVar("T")
@@ -29,6 +30,14 @@ def wait_for(predicate: Callable[[], T], timeout_s: float, interval_s: float = 0
             return value
         time.sleep(interval_s)
     return predicate() or None
+
+
+def alive(process: psutil.Process) -> bool:
+    """Still running: neither gone nor a zombie its parent has not reaped."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def answers(url: str, timeout_s: float = 2) -> bool:

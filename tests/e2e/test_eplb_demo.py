@@ -12,16 +12,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from devtools import REPO, wait_for
+from devtools import REPO, alive, wait_for
 
 pytestmark = pytest.mark.e2e  # two demo starts of 2 ranks (about 15 s each)
-
-
-def alive(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def ignore_sigint() -> None:

@@ -14,7 +14,7 @@ import httpx
 import psutil
 import pytest
 
-from devtools import wait_for
+from devtools import alive, wait_for
 from flotilla.cluster.cpu_binding import held_claims, machine_cores
 from tests.e2e.server import flotilla_serve
 
@@ -36,13 +36,6 @@ def port_free(port: int) -> bool:
 def holders(port: int) -> str:
     sockets = [c for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port]
     return "the serving port is still held: " + "; ".join(f"{c.status} pid {c.pid}" for c in sockets)
-
-
-def alive(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def name_of(process: psutil.Process) -> str | None:
